@@ -1,0 +1,132 @@
+"""Timers, throughput, memory and rank-aware logging for the demos and benchmarks.
+
+Only rank 0 prints progress (``log0``, ``progress``); every rank may ``log`` with a
+``[rank r]`` prefix. Timers synchronise CUDA before reading the clock, so a GPU
+step is timed when it has finished, not when it was queued.
+"""
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def log(msg: str, rank: int | None = None) -> None:
+    """Print with a ``[rank r]`` prefix (any rank)."""
+    rank = get_rank() if rank is None else rank
+    print(f"[rank {rank}] {msg}", flush=True)
+
+
+def log0(msg: str) -> None:
+    """Print on rank 0 only."""
+    if get_rank() == 0:
+        print(msg, flush=True)
+
+
+def progress(iterable: Iterable, desc: str = "", total: int | None = None, **kwargs) -> Iterable:
+    """A tqdm progress bar on rank 0; the plain iterable elsewhere."""
+    if get_rank() != 0:
+        return iterable
+    from tqdm import tqdm
+
+    kwargs.setdefault("mininterval", 1.0)  # a log file gets a line a second, not one per step
+    return tqdm(iterable, desc=desc, total=total, file=sys.stdout, dynamic_ncols=True, **kwargs)
+
+
+def _sync(device: torch.device | None) -> None:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepTimer:
+    """Accumulate wall time per named section: ``with timer("compute"): ...``."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+        self.times: dict[str, list[float]] = defaultdict(list)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        _sync(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            _sync(self.device)
+            self.times[name].append(time.perf_counter() - start)
+
+    def total(self, name: str) -> float:
+        return sum(self.times.get(name, ()))
+
+    def median(self, name: str) -> float:
+        values = self.times.get(name)
+        return statistics.median(values) if values else float("nan")
+
+    def summary(self) -> dict[str, float]:
+        """Total seconds per section."""
+        return {k: sum(v) for k, v in self.times.items()}
+
+
+class Throughput:
+    """Samples per second over the steps recorded, skipping ``warmup`` steps."""
+
+    def __init__(self, warmup: int = 1) -> None:
+        self.warmup = warmup
+        self.samples = 0
+        self.seconds = 0.0
+        self.steps = 0
+
+    def record(self, samples: int, seconds: float) -> None:
+        self.steps += 1
+        if self.steps > self.warmup:
+            self.samples += samples
+            self.seconds += seconds
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else float("nan")
+
+
+def peak_memory_bytes(device: torch.device | None = None) -> int:
+    """Peak memory of this rank: CUDA allocator peak on GPU, process max RSS on CPU."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes held by a collection of tensors (parameters, gradients, optimizer state)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
+    """A plain-text table with aligned columns (for end-of-run summaries)."""
+    if not rows:
+        return ""
+    columns = columns or list(rows[0])
+    cells = [[str(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    line = "  ".join(c.ljust(w) for c, w in zip(columns, widths))
+    rule = "  ".join("-" * w for w in widths)
+    body = ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join([line, rule, *body])

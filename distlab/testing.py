@@ -1,0 +1,81 @@
+"""Assertions the tests share, with messages an instructor can act on.
+
+"rank 1, step 3, parameter fc1.weight: max abs diff 2.0e-02 (tolerance: ...)" is
+the kind of message every comparison here produces.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach().double() - b.detach().double()).abs().max().item() if a.numel() else 0.0
+
+
+def assert_tensors_close(actual: torch.Tensor, expected: torch.Tensor, what: str,
+                         rtol: float | None = None, atol: float | None = None) -> None:
+    """``torch.testing.assert_close`` with ``what`` (rank, step, name) leading the message.
+
+    rtol=atol=0 demands bitwise equality (use where no sum is reordered).
+    """
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    try:
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+    except AssertionError:
+        raise AssertionError(f"{what}: max abs diff {max_abs_diff(actual, expected):.3e} "
+                             f"(rtol={rtol}, atol={atol})") from None
+
+
+def assert_models_close(actual: nn.Module, expected: nn.Module, *, rank: int, step: int | str,
+                        rtol: float | None = None, atol: float | None = None,
+                        buffers: bool = True) -> None:
+    """Every parameter (and floating buffer) of ``actual`` is close to ``expected``'s, by name."""
+    exp_params = dict(expected.named_parameters())
+    for name, p in actual.named_parameters():
+        assert_tensors_close(p, exp_params[name], f"rank {rank}, step {step}, parameter {name}", rtol, atol)
+    if buffers:
+        exp_buffers = dict(expected.named_buffers())
+        for name, b in actual.named_buffers():
+            assert_tensors_close(b.to(exp_buffers[name].dtype), exp_buffers[name],
+                                 f"rank {rank}, step {step}, buffer {name}", rtol, atol)
+
+
+def assert_grads_close(actual: nn.Module, expected: nn.Module, *, rank: int, step: int | str,
+                       rtol: float | None = None, atol: float | None = None) -> None:
+    """Gradients by parameter name; a missing gradient must be missing on both sides."""
+    exp_params = dict(expected.named_parameters())
+    for name, p in actual.named_parameters():
+        e = exp_params[name]
+        if (p.grad is None) != (e.grad is None):
+            raise AssertionError(f"rank {rank}, step {step}, parameter {name}: gradient is "
+                                 f"{'None' if p.grad is None else 'set'} but expected "
+                                 f"{'None' if e.grad is None else 'set'}")
+        if p.grad is not None:
+            assert_tensors_close(p.grad, e.grad, f"rank {rank}, step {step}, gradient of {name}", rtol, atol)
+
+
+def assert_ranks_identical(model: nn.Module, *, step: int | str = "end", group=None) -> None:
+    """Every rank holds bitwise the same parameters and buffers as rank 0 of ``group``.
+
+    Collective: all ranks of ``group`` must call it.
+    """
+    rank = dist.get_rank(group)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            ref = t.detach().clone()
+            dist.broadcast(ref, src=src, group=group)
+            if not torch.equal(t.detach(), ref):
+                raise AssertionError(f"ranks diverged at step {step}: rank {rank} {kind} {name} "
+                                     f"differs from rank 0 by {max_abs_diff(t, ref):.3e}")
+
+
+def shard(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s contiguous slice of a global batch whose size divides by ``world_size``."""
+    if batch.shape[0] % world_size:
+        raise ValueError(f"global batch {batch.shape[0]} is not divisible by world size {world_size}")
+    per = batch.shape[0] // world_size
+    return batch[rank * per:(rank + 1) * per]
