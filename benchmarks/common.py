@@ -1,0 +1,77 @@
+"""What every benchmark shares: repeated timing, medians, the machine, and the results files.
+
+Every benchmark module ``benchmarks/bench_<topic>.py`` has
+``run(quick: bool = False) -> dict`` and a ``main()`` (``python -m benchmarks.bench_<topic>``).
+``run`` measures ours and PyTorch's built-in side by side in the same run and returns
+
+    {"name": "<topic>", "machine": machine_info(),
+     "comparisons": {"<comparison>": {"ratio": median ours/builtin (time, or bytes),
+                                      "metric": "time" | "bytes" | ...,
+                                      "world_size": W, "size": "16 MiB" (what was measured at),
+                                      "ours": median, "builtin": median, "unit": "s"}},
+     ...anything else worth keeping (raw samples, bus bandwidths)}
+
+and writes it with ``write_result`` to benchmarks/results/<topic>.json (PNGs beside it).
+``python -m benchmarks.run`` runs them all and writes benchmarks/results/summary.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine_info() -> dict:
+    info = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpus"] = torch.cuda.device_count()
+    return info
+
+
+def time_repeats(fn: Callable[[], object], repeats: int, warmup: int = 1,
+                 sync: Callable[[], None] | None = None) -> list[float]:
+    """Wall time of ``fn()`` ``repeats`` times after ``warmup`` untimed calls (``sync`` before each read)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if sync:
+            sync()
+        start = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def median(values) -> float:
+    return statistics.median(values)
+
+
+def comparison(ours: list[float] | float, builtin: list[float] | float, world_size: int, size: str,
+               metric: str = "time", unit: str = "s") -> dict:
+    """One entry of ``comparisons``: medians of both sides and their ratio (ours / built-in)."""
+    o = median(ours) if isinstance(ours, (list, tuple)) else float(ours)
+    b = median(builtin) if isinstance(builtin, (list, tuple)) else float(builtin)
+    return {"ratio": o / b if b else float("nan"), "metric": metric, "world_size": world_size,
+            "size": size, "ours": o, "builtin": b, "unit": unit}
+
+
+def write_result(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload.setdefault("name", name)
+    payload.setdefault("machine", machine_info())
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, default=float))
+    return path
