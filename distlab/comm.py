@@ -87,6 +87,21 @@ class Record:
     async_op: bool
 
 
+def _unwrap(op):
+    return getattr(op, "__wrapped_by_ledger__", op)
+
+
+class _LedgerP2POp(dist.P2POp):
+    """``dist.P2POp`` while a ledger is active: torch checks ``op is isend`` against its own
+    (unwrapped) function, so the P2POp stores the original; the batch wrapper counts it."""
+
+    def __new__(cls, op, *args, **kwargs):
+        return super().__new__(cls, _unwrap(op), *args, **kwargs)
+
+    def __init__(self, op, *args, **kwargs) -> None:
+        super().__init__(_unwrap(op), *args, **kwargs)
+
+
 class CommLedger:
     """Records this rank's communication while active (``with ledger: ...``)."""
 
@@ -136,6 +151,8 @@ class CommLedger:
             setattr(dist, op, self._wrap(op, arg, original))
         self._saved["batch_isend_irecv"] = dist.batch_isend_irecv
         setattr(dist, "batch_isend_irecv", self._wrap_batch(dist.batch_isend_irecv))
+        self._saved["P2POp"] = dist.P2POp
+        setattr(dist, "P2POp", _LedgerP2POp)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -170,8 +187,6 @@ class CommLedger:
         @functools.wraps(original)
         def wrapper(p2p_op_list):
             for p in p2p_op_list:
-                # torch checks ``op.op is isend`` against its own (unwrapped) function.
-                p.op = getattr(p.op, "__wrapped_by_ledger__", p.op)
                 name = "isend" if p.op is self._saved["isend"] else "irecv"
                 self._record(name, _nbytes(p.tensor), p.group, 0.0, True)
             self._in_batch = True

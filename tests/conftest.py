@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import OrderedDict
 
 import pytest
@@ -67,6 +68,7 @@ def pytest_runtest_makereport(item, call):
             "exercise": _exercise(item), "outcome": report.outcome,
             "error_type": error_type, "message": message[:500],
             "scaffold": item.get_closest_marker("scaffold") is not None,
+            "duration_s": round(report.duration, 3),
         }
 
 
@@ -92,8 +94,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr = terminalreporter
     tr.section(f"score per exercise (--impl {config.getoption('--impl')})")
     for name, s in scores.items():
-        todo_lines = {f.split(": ", 1)[1] for f in s["failures"] if "TODO " in f}
-        note = f"  <- {sorted(todo_lines)[0]}" if todo_lines else ""
+        todos = sorted(set(re.findall(r"TODO (\d+\.\d+)", "\n".join(s["failures"]))))
+        note = f"  <- unfinished: TODO {', '.join(todos)}" if todos else ""
         tr.write_line(f"{name:<40} {s['passed']:>3}/{s['total']:<3}{note}")
     path = config.getoption("--results-json")
     if path:
