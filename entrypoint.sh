@@ -17,6 +17,9 @@ set -euo pipefail
 
 # mode -> module run with `torchrun -m` (one line each; tests parse this table)
 declare -A MODES=(
+  [data_parallel_naive_grad_accumulation]=solutions.phase2_advanced.grad_accumulation
+  [data_parallel_bucket_overlap]=solutions.phase3_multi_node.ddp_bucketed
+  [data_parallel_overlap]=solutions.phase3_multi_node.ddp_overlap
   [comm]=solutions.phase1_data_parallel.collectives
   [train]=solutions.phase1_data_parallel.data_loader
   [data_parallel_naive]=solutions.phase1_data_parallel.trainer
