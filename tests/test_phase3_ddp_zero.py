@@ -1,0 +1,236 @@
+"""Phase 3 (part B): DDP from scratch (overlap, buckets) and ZeRO-1/2/3.
+
+Every worker builds the single-process baseline itself (same seed, the whole
+global batch) and, where PyTorch has one, the built-in twin (torch's DDP,
+ZeroRedundancyOptimizer) on the same shard, then compares at every step. The code
+under test comes from ``load(...)``: the solutions by default, the templates with
+``--impl templates``.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distlab import load
+from distlab.comm import CommLedger
+from distlab.launch import run_distributed
+from distlab.models import TiedFrozenModel, ToyMLP, seeded
+from distlab.testing import (assert_grads_close, assert_models_close, assert_ranks_identical,
+                             assert_tensors_close, max_abs_diff, shard)
+
+PHASE = "phase3_multi_node"
+WORLD_SIZES = [1, 2, 3, 4]
+GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4: every rank gets an equal shard
+STEPS = 3
+# float64 models: reordered sums differ by ~1e-16 per op; 1e-10 still catches a
+# missing 1/W (a factor of 2), a gradient reduced twice, or a stale bucket.
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+class Branchy(nn.Module):
+    """A branch used only when asked: unused on some ranks, used on others (or on none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 3)
+        self.b = nn.Linear(6, 3)
+        self.never = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, use_b: bool = True) -> torch.Tensor:
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+def _make(kind: str, seed: int) -> nn.Module:
+    if kind == "mlp":
+        return seeded(ToyMLP, seed, 6, 10, 3).double()
+    if kind == "tied_frozen":
+        return seeded(TiedFrozenModel, seed, 11, 6).double()
+    if kind == "tied_frozen_unused":
+        return seeded(TiedFrozenModel, seed, 11, 6, with_unused=True).double()
+    return seeded(Branchy, seed).double()
+
+
+def _batch(kind: str, step: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    if kind.startswith("tied_frozen"):
+        x = torch.randint(11, (GLOBAL_BATCH, 5), generator=g)
+        return x, torch.roll(x, 1, dims=1)
+    return torch.randn(GLOBAL_BATCH, 6, generator=g, dtype=torch.float64), torch.randint(3, (GLOBAL_BATCH,), generator=g)
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01, weight_decay=0.1)
+
+
+def _use_b(kind: str, rank: int) -> dict:
+    # Branchy: branch b is used by even ranks only (so with W=1 always, and unused on odd ranks).
+    return {"use_b": rank % 2 == 0} if kind == "branchy" else {}
+
+
+def _baseline_step(model, optimizer, kind, x, y, world_size, micro_batches=1):
+    """Single process on the global batch: the mean of the W shard losses (x micro-batches)."""
+    optimizer.zero_grad(set_to_none=True)
+    for r in range(world_size):
+        xs, ys = shard(x, r, world_size), shard(y, r, world_size)
+        for m in range(micro_batches):
+            xm, ym = shard(xs, m, micro_batches), shard(ys, m, micro_batches)
+            (_loss(model(xm, **_use_b(kind, r)), ym) / (world_size * micro_batches)).backward()
+    optimizer.step()
+
+
+# --------------------------------------------------------------------------- 3.10-3.14 DDP
+# ToyMLP(6, 10, 3) in float64, gradients in backward order: fc3.bias 24 B, fc3.weight 240,
+# fc2.bias 80, fc2.weight 800, fc1.bias 80, fc1.weight 480 (1704 B in all). Caps that give:
+MB = 1 / (1024 * 1024)
+BUCKET_CAPS = {
+    1: 100.0,          # everything fits
+    2: 1144 * MB,      # [24 240 80 800] [80 480]
+    3: 880 * MB,       # [24 240 80] [800 80] [480]
+    6: 0.0,            # one per parameter ("many")
+}
+
+
+def _wrap(impl: str, model: nn.Module, bucket_mb: float, find_unused: bool):
+    if impl == "overlap":
+        return load(PHASE, "ddp_overlap").DDPIndividualParameters(model)
+    return load(PHASE, "ddp_bucketed").DDPBucketed(model, bucket_size_mb=bucket_mb,
+                                                   find_unused_parameters=find_unused)
+
+
+def _worker_ddp(rank, world_size, impl, kind, n_buckets_list, find_unused=False):
+    for n_buckets in n_buckets_list:
+        bucket_mb = BUCKET_CAPS[n_buckets]
+        baseline = _make(kind, seed=0)
+        builtin = nn.parallel.DistributedDataParallel(_make(kind, seed=0), bucket_cap_mb=max(bucket_mb, 1e-6),
+                                                      find_unused_parameters=find_unused)
+        model = _make(kind, seed=rank)  # different on purpose: the wrapper's broadcast must fix it
+        ddp = _wrap(impl, model, bucket_mb, find_unused)
+        assert_models_close(model, baseline, rank=rank, step="after construction", rtol=0, atol=0)
+        base_opt, opt, builtin_opt = _adamw(baseline), _adamw(model), _adamw(builtin.module)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        initial = [p.detach().clone() for p in trainable]
+        first = model.fc1.weight if kind == "mlp" else None
+        calls_when_first_ready = []
+        if first is not None:  # registered after the wrapper's hook, so it runs after it
+            first.register_post_accumulate_grad_hook(lambda p: calls_when_first_ready.append(ledger.calls("all_reduce")))
+        for step in range(STEPS):
+            what = f"rank {rank}, {impl}, {kind}, {n_buckets} bucket(s), step {step}"
+            x, y = _batch(kind, step)
+            xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+            _baseline_step(baseline, base_opt, kind, x, y, world_size)
+            builtin.zero_grad(set_to_none=True)
+            _loss(builtin(xs, **_use_b(kind, rank)), ys).backward()
+            opt.zero_grad(set_to_none=True)
+            ledger = CommLedger()
+            with ledger:
+                _loss(ddp(xs, **_use_b(kind, rank)), ys).backward()
+                ddp.finish_gradient_synchronization()
+            # Same shard, same bucketed sum: only the summation order of gloo may differ.
+            assert_grads_close(model, builtin.module, rank=rank, step=f"{step} ({what}) vs torch DDP", **TOL)
+            opt.step()
+            builtin_opt.step()
+            assert_models_close(model, baseline, rank=rank, step=f"{step} ({what})", **TOL)
+            # Every gradient once (with find_unused_parameters: zeros for the unused too).
+            grad_bytes = sum(p.numel() * p.element_size() for p in trainable if find_unused or p.grad is not None)
+            buckets = len(trainable) if impl == "overlap" or bucket_mb == 0 else n_buckets  # cap 0: one each
+            expected_calls = buckets + int(impl == "bucketed" and find_unused)
+            assert ledger.calls("all_reduce") == expected_calls, \
+                f"{what}: {ledger.calls('all_reduce')} all-reduces, expected {expected_calls} ({ledger.summary()})"
+            bitmap = 4 * len(trainable) if find_unused else 0
+            assert ledger.bytes("all_reduce") == grad_bytes + bitmap, \
+                f"{what}: {ledger.bytes('all_reduce')} B all-reduced, expected {grad_bytes + bitmap}"
+            if calls_when_first_ready and n_buckets > 1:
+                # The last gradient of backward: earlier buckets must already be in flight.
+                assert calls_when_first_ready[-1] >= 1, \
+                    f"{what}: no all-reduce launched before backward ended (no overlap)"
+        moved = max(max_abs_diff(p, p0) for p, p0 in zip(trainable, initial))
+        assert moved > 1e-3, f"rank {rank}, {impl}, {n_buckets} bucket(s): weights never changed (max move {moved:.1e})"
+        assert_ranks_identical(model, step=STEPS)
+
+
+@pytest.mark.exercise("3.10-3.11 DDP overlap per parameter")
+@pytest.mark.parametrize("kind", ["mlp", "tied_frozen"])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ddp_overlap_matches_single_process_and_torch_ddp(world_size, kind):
+    run_distributed(_worker_ddp, world_size, "overlap", kind, [1])
+
+
+@pytest.mark.exercise("3.12-3.14 DDP buckets")
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ddp_bucketed_matches_single_process_and_torch_ddp(world_size):
+    run_distributed(_worker_ddp, world_size, "bucketed", "mlp", sorted(BUCKET_CAPS))
+
+
+@pytest.mark.exercise("3.12-3.14 DDP buckets")
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ddp_bucketed_tied_frozen_unused_matches_torch_ddp(world_size):
+    # tied + frozen; a parameter no rank uses; a branch only even ranks use.
+    for kind in ("tied_frozen", "tied_frozen_unused", "branchy"):
+        run_distributed(_worker_ddp, world_size, "bucketed", kind, [1, 6],
+                        find_unused=kind != "tied_frozen")
+
+
+def _worker_unused_error(rank, world_size):
+    ddp = load(PHASE, "ddp_bucketed").DDPBucketed(_make("tied_frozen_unused", 0), bucket_size_mb=0.0)
+    x, y = _batch("tied_frozen", 0)
+    _loss(ddp(x), y).backward()
+    with pytest.raises(RuntimeError, match="unused.weight"):
+        ddp.finish_gradient_synchronization()
+
+
+@pytest.mark.exercise("3.12-3.14 DDP buckets")
+def test_ddp_bucketed_unused_without_flag_raises_like_torch_ddp():
+    run_distributed(_worker_unused_error, 1)
+
+
+@pytest.mark.exercise("3.12-3.14 DDP buckets")
+def test_bucket_assignment_matches_hand_computed_partition():
+    assign = load(PHASE, "ddp_bucketed").assign_buckets
+    params = list(_make("mlp", 0).parameters())[::-1]
+    sizes = {1: [6], 2: [4, 2], 3: [3, 2, 1], 6: [1] * 6}
+    for n, cap in BUCKET_CAPS.items():
+        got = [len(b) for b in assign(params, cap)]
+        assert got == sizes[n], f"cap {cap / MB:.0f} B: bucket lengths {got}, expected {sizes[n]}"
+    mixed = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2, dtype=torch.float64))]
+    assert [len(b) for b in assign(mixed, 100.0)] == [1, 1], "a bucket must not mix dtypes"
+
+
+def _worker_no_sync(rank, world_size, impl):
+    micro = 2
+    baseline = _make("mlp", 0)
+    model = _make("mlp", rank)
+    ddp = _wrap(impl, model, BUCKET_CAPS[3], False)
+    base_opt, opt = _adamw(baseline), _adamw(model)
+    for step in range(STEPS):
+        x, y = _batch("mlp", step)
+        _baseline_step(baseline, base_opt, "mlp", x, y, world_size, micro_batches=micro)
+        xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+        opt.zero_grad(set_to_none=True)
+        ledger = CommLedger()
+        with ledger:
+            with ddp.no_sync():
+                (_loss(ddp(shard(xs, 0, micro)), shard(ys, 0, micro)) / micro).backward()
+            assert ledger.calls("all_reduce") == 0, f"rank {rank}, step {step}: no_sync must not communicate"
+            (_loss(ddp(shard(xs, 1, micro)), shard(ys, 1, micro)) / micro).backward()
+            ddp.finish_gradient_synchronization()
+        opt.step()
+        assert_models_close(model, baseline, rank=rank, step=f"{step} ({impl}, no_sync accumulation)", **TOL)
+
+
+@pytest.mark.exercise("3.10-3.11 DDP overlap per parameter")
+def test_ddp_overlap_no_sync_accumulation_matches_single_process():
+    run_distributed(_worker_no_sync, 2, "overlap")
+
+
+@pytest.mark.exercise("3.12-3.14 DDP buckets")
+def test_ddp_bucketed_no_sync_accumulation_matches_single_process():
+    run_distributed(_worker_no_sync, 2, "bucketed")
