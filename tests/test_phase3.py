@@ -1,0 +1,203 @@
+"""Phase 3 (part A): collectives from point-to-point messages, and a parameter server.
+
+Each worker rebuilds every rank's input itself, computes the single-process answer,
+runs the code under test, and compares it both to that answer and to PyTorch's own
+collective (``dist.all_reduce``, ``dist.reduce_scatter``, ``dist.all_gather``). A
+CommLedger checks that the bytes each rank sends are the textbook volume. The code
+under test comes from ``load(...)``: the solutions by default, the learner's
+templates with ``--impl templates``.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distlab import load
+from distlab.comm import CommLedger
+from distlab.launch import run_distributed
+from distlab.models import ToyMLP, seeded
+from distlab.testing import assert_models_close, assert_tensors_close, shard
+
+PHASE = "phase3_multi_node"
+WORLD_SIZES = [1, 2, 3, 4]
+# (shape, make it non-contiguous?): 7 and 3x5 do not divide by 2, 3 or 4; 1 and 2 have
+# fewer elements than ranks (empty chunks); 12 divides by all, so 2(W-1)/W is exact.
+SHAPES = [((7,), False), ((3, 5), True), ((1,), False), ((2,), False), ((12,), False)]
+DTYPES = [torch.float32, torch.float64, torch.int64]
+P2P_OPS = {"isend", "irecv", "send", "recv"}
+
+
+def _rank_tensor(rank: int, shape, dtype, non_contiguous: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + rank)
+    if dtype == torch.int64:
+        t = torch.randint(-50, 50, shape[::-1] if non_contiguous else shape, generator=g)
+    else:
+        t = torch.randn(shape[::-1] if non_contiguous else shape, generator=g, dtype=torch.float64).to(dtype)
+    return t.t() if non_contiguous else t  # a transposed view: same shape, not contiguous
+
+
+def _cases(world_size: int):
+    for shape, non_contiguous in SHAPES:
+        for dtype in DTYPES:
+            for op in ("sum", "avg") if dtype != torch.int64 else ("sum",):
+                inputs = [_rank_tensor(r, shape, dtype, non_contiguous) for r in range(world_size)]
+                expected = torch.stack([t.double() for t in inputs]).sum(0)
+                if op == "avg":
+                    expected /= world_size
+                yield shape, dtype, op, inputs, expected.to(dtype)
+
+
+def _sizes(numel: int, world_size: int) -> list[int]:
+    # tensor_split's rule, computed independently of the code under test
+    return [t.numel() for t in torch.arange(numel).tensor_split(world_size)]
+
+
+def _check_p2p_only(ledger: CommLedger, what: str) -> None:
+    ops = set(ledger.summary())
+    assert ops <= P2P_OPS, f"{what}: only point-to-point ops expected, saw {ledger.summary()}"
+
+
+# --------------------------------------------------------------------------- 3.1 reduce-scatter
+def _worker_ring_reduce_scatter(rank, world_size):
+    ring = load(PHASE, "ring_allreduce")
+    for shape, dtype, op, inputs, expected in _cases(world_size):
+        what = f"rank {rank}, ring_reduce_scatter, shape {shape}, {dtype}, op {op}"
+        sizes = _sizes(expected.numel(), world_size)
+        start = sum(sizes[:rank])
+        builtin = torch.empty(sizes[rank], dtype=dtype)
+        dist.reduce_scatter(builtin, [c.clone() for c in inputs[rank].reshape(-1).tensor_split(world_size)])
+        if op == "avg":
+            builtin /= world_size
+        original = inputs[rank].clone()
+        ledger = CommLedger()
+        with ledger:
+            mine = ring.ring_reduce_scatter(inputs[rank], op=op)
+        assert torch.equal(inputs[rank], original), f"{what}: the input must not be modified"
+        # Sums reordered (vs the float64 reference and vs gloo): rounding at the dtype's
+        # precision; a missing rank or a missing 1/W is off by whole units. int64: exact.
+        assert_tensors_close(mine, expected.reshape(-1)[start:start + sizes[rank]], f"{what} vs single-process sum")
+        assert_tensors_close(mine, builtin, f"{what} vs dist.reduce_scatter")
+        _check_p2p_only(ledger, what)
+        es = expected.element_size()
+        sent, received = (expected.numel() - sizes[rank]) * es, (expected.numel() - sizes[rank - 1]) * es
+        assert ledger.sent_bytes() == sent, f"{what}: sent {ledger.sent_bytes()} B, expected N - n_rank = {sent} B"
+        assert ledger.received_bytes() == received, \
+            f"{what}: received {ledger.received_bytes()} B, expected N - n_(rank-1) = {received} B"
+
+
+@pytest.mark.exercise("3.1 ring reduce-scatter")
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ring_reduce_scatter_matches_builtin_and_single_process(world_size):
+    run_distributed(_worker_ring_reduce_scatter, world_size)
+
+
+# --------------------------------------------------------------------------- 3.2 all-gather
+def _worker_ring_all_gather(rank, world_size):
+    ring = load(PHASE, "ring_allreduce")
+    for shape, dtype, _, inputs, _ in _cases(world_size):
+        what = f"rank {rank}, ring_all_gather, shape {shape}, {dtype}"
+        # Every rank contributes chunk r of its own tensor; the answer is their concatenation.
+        pieces = [inputs[r].reshape(-1).tensor_split(world_size)[r] for r in range(world_size)]
+        expected = torch.cat(pieces)
+        padded = max(p.numel() for p in pieces)  # dist.all_gather needs equal sizes: pad, then trim
+        gathered = [torch.empty(padded, dtype=dtype) for _ in range(world_size)]
+        dist.all_gather(gathered, torch.cat([pieces[rank], pieces[rank].new_zeros(padded - pieces[rank].numel())]))
+        builtin = torch.cat([g[:p.numel()] for g, p in zip(gathered, pieces)])
+        ledger = CommLedger()
+        with ledger:
+            mine = ring.ring_all_gather(pieces[rank].clone(), expected.numel())
+        # Copies only, no arithmetic: bitwise equal.
+        assert torch.equal(mine, expected), f"{what}: {mine.tolist()} != {expected.tolist()}"
+        assert torch.equal(mine, builtin), f"{what}: differs from dist.all_gather"
+        _check_p2p_only(ledger, what)
+        sent = (expected.numel() - pieces[(rank + 1) % world_size].numel()) * expected.element_size()
+        assert ledger.sent_bytes() == sent, f"{what}: sent {ledger.sent_bytes()} B, expected N - n_(rank+1) = {sent} B"
+
+
+@pytest.mark.exercise("3.2 ring all-gather")
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ring_all_gather_matches_builtin_and_concatenation(world_size):
+    run_distributed(_worker_ring_all_gather, world_size)
+
+
+@pytest.mark.exercise("3.2 ring all-gather")
+@pytest.mark.scaffold
+def test_ring_all_gather_rejects_wrong_chunk_size():
+    run_distributed(_worker_all_gather_bad_chunk, 2)
+
+
+def _worker_all_gather_bad_chunk(rank, world_size):
+    ring = load(PHASE, "ring_allreduce")
+    with pytest.raises(ValueError, match=f"chunk {rank} of 7 elements split 2 ways has {4 - rank}"):
+        ring.ring_all_gather(torch.zeros(5), 7)
+
+
+# --------------------------------------------------------------------------- 3.3-3.4 all-reduce
+def _check_allreduce(rank, world_size, fn, name):
+    for shape, dtype, op, inputs, expected in _cases(world_size):
+        what = f"rank {rank}, {name}, shape {shape}, {dtype}, op {op}"
+        builtin = inputs[rank].clone()
+        dist.all_reduce(builtin)
+        if op == "avg":
+            builtin /= world_size
+        # A private copy that keeps the layout: a transposed view stays non-contiguous.
+        mine = inputs[rank].t().clone().t() if not inputs[rank].is_contiguous() else inputs[rank].clone()
+        ledger = CommLedger()
+        with ledger:
+            out = fn(mine, op=op)
+        assert out is mine, f"{what}: must work in place and return its argument"
+        assert_tensors_close(mine, expected, f"{what} vs single-process sum")  # reordered sums: dtype rounding
+        assert_tensors_close(mine, builtin, f"{what} vs dist.all_reduce")
+        _check_p2p_only(ledger, what)
+        sizes, es, n = _sizes(expected.numel(), world_size), expected.element_size(), expected.numel()
+        sent = (2 * n - sizes[rank] - sizes[(rank + 1) % world_size]) * es
+        assert ledger.sent_bytes() == sent, f"{what}: sent {ledger.sent_bytes()} B, expected {sent} B"
+        if n % world_size == 0:  # the textbook figure, exact when W divides N
+            assert ledger.sent_bytes() == 2 * (world_size - 1) * n * es // world_size, what
+        ref = mine.clone()
+        dist.broadcast(ref, src=0)
+        assert torch.equal(mine, ref), f"{what}: rank {rank} differs from rank 0 (all ranks must agree bitwise)"
+
+
+def _worker_ring_allreduce(rank, world_size):
+    _check_allreduce(rank, world_size, load(PHASE, "ring_allreduce").ring_allreduce, "ring_allreduce")
+
+
+def _worker_ring_allreduce_pipelined(rank, world_size):
+    ring = load(PHASE, "ring_allreduce")
+    for slice_bytes in (8, 1 << 20):  # 1-2 elements per slice (many slices), and one slice per chunk
+        _check_allreduce(rank, world_size, lambda t, op: ring.ring_allreduce_pipelined(t, op=op, slice_bytes=slice_bytes),
+                         f"ring_allreduce_pipelined(slice_bytes={slice_bytes})")
+    # A larger tensor, so that many slices are in flight at once.
+    x = torch.randn(10_001, generator=torch.Generator().manual_seed(rank))
+    expected = x.clone()
+    dist.all_reduce(expected)
+    ring.ring_allreduce_pipelined(x, slice_bytes=256)
+    assert_tensors_close(x, expected, f"rank {rank}, pipelined, 10001 floats vs dist.all_reduce")  # float32 rounding
+
+
+@pytest.mark.exercise("3.3 ring all-reduce")
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ring_allreduce_matches_builtin_and_single_process(world_size):
+    run_distributed(_worker_ring_allreduce, world_size)
+
+
+@pytest.mark.exercise("3.4 pipelined ring all-reduce")
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ring_allreduce_pipelined_matches_builtin_and_single_process(world_size):
+    run_distributed(_worker_ring_allreduce_pipelined, world_size)
+
+
+@pytest.mark.exercise("3.3 ring all-reduce")
+@pytest.mark.scaffold
+def test_ring_rejects_unknown_op_and_integer_avg():
+    ring = load(PHASE, "ring_allreduce")
+    for fn in (ring.ring_allreduce, ring.ring_allreduce_pipelined, ring.ring_reduce_scatter):
+        with pytest.raises(ValueError, match="op must be one of"):
+            fn(torch.zeros(2), op="max")
+        with pytest.raises(ValueError, match="needs a floating-point tensor"):
+            fn(torch.zeros(2, dtype=torch.int64), op="avg")
