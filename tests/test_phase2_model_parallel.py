@@ -1,0 +1,295 @@
+"""Phase 2, model parallelism: naive split, pipeline schedules, tensor parallelism, 2D.
+
+Every worker builds the whole model from one seed, computes the single-process
+answer itself, runs the distributed version on its part, and compares outputs,
+the gradient of every parameter (sharded ones against the matching slice of the
+full gradient) and of the input. float64 throughout: reordered sums differ by
+~1e-15, so the tolerances below still catch a gradient doubled by a misplaced
+all-reduce (tensor parallel at W = 2, 3, 4) or a missing 1/m (pipelines).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distlab import load
+from distlab.comm import CommLedger
+from distlab.launch import run_distributed
+from distlab.models import MLP, CausalSelfAttention, GPTConfig, TinyGPT, seeded
+from distlab.testing import assert_tensors_close, shard
+
+PHASE = "phase2_advanced"
+WORLD_SIZES = [1, 2, 3, 4]
+# float64: the distributed and single-process sums differ only in order (~1e-15);
+# a doubled or missing reduction is off by O(1).
+TOL = dict(rtol=1e-9, atol=1e-12)
+EXACT = dict(rtol=0, atol=0)  # copies, slices and gathers reorder no sum
+
+
+def _randn(*shape, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _expected_shard(full: torch.Tensor, p: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    dim = getattr(p, "partition_dim", None)
+    return full if dim is None else full.chunk(world_size, dim)[rank]
+
+
+def _compare_sharded(tp_model: nn.Module, full_model: nn.Module, rank: int, world_size: int, step, grads: bool):
+    """Every parameter (or gradient) of the TP model equals its slice of the full model's, by name."""
+    full = dict(full_model.named_parameters())
+    for name, p in tp_model.named_parameters():
+        assert name in full, f"rank {rank}: tensor-parallel parameter {name} has no counterpart in the full model"
+        f = full[name]
+        if grads:
+            assert p.grad is not None, f"rank {rank}, step {step}: no gradient for {name}"
+            assert_tensors_close(p.grad, _expected_shard(f.grad, p, rank, world_size),
+                                 f"rank {rank}, step {step}, gradient of {name}", **TOL)
+        else:
+            assert_tensors_close(p, _expected_shard(f, p, rank, world_size),
+                                 f"rank {rank}, step {step}, parameter {name}", **TOL)
+
+
+def _all_reduce_calls(ledger: CommLedger) -> tuple[int, int]:
+    return ledger.calls("all_reduce"), ledger.bytes("all_reduce")
+
+
+# =========================================================================== 2.15-2.16 primitives
+def _worker_tp_primitives(rank, world_size):
+    tp = load(PHASE, "tensor_parallel")
+    W = world_size
+    shape = (3, 4 * 3)  # last dim 12 divides by 1, 2, 3 and 4
+    xs = [_randn(*shape, seed=10 + r) for r in range(W)]       # each rank's input
+    gs = [_randn(*shape, seed=20 + r) for r in range(W)]       # each rank's upstream gradient
+    nbytes = xs[0].numel() * 8
+    calls = 1
+
+    def run(fn, x, g):
+        x = x.clone().requires_grad_()
+        fwd, bwd = CommLedger(), CommLedger()
+        with fwd:
+            y = fn(x, None)
+        with bwd:
+            y.backward(g)
+        return y.detach(), x.grad, fwd, bwd
+
+    # copy_to_region: identity forward, gradient summed over ranks.
+    y, gx, fwd, bwd = run(tp.copy_to_region, xs[rank], gs[rank])
+    what = f"rank {rank}, W={W}, copy_to_region"
+    assert_tensors_close(y, xs[rank], f"{what} forward", **EXACT)
+    assert_tensors_close(gx, sum(gs), f"{what} backward (sum of every rank's gradient)", **TOL)
+    assert (fwd.calls(), bwd.calls("all_reduce"), bwd.bytes("all_reduce")) == (0, calls, calls * nbytes), \
+        f"{what}: forward {fwd.summary()}, backward {bwd.summary()}; expected one all-reduce of {nbytes} B backward"
+
+    # reduce_from_region: sum forward, identity backward (the doubled-gradient bug lives here).
+    y, gx, fwd, bwd = run(tp.reduce_from_region, xs[rank], gs[0])  # replicated output: same grad everywhere
+    what = f"rank {rank}, W={W}, reduce_from_region"
+    assert_tensors_close(y, sum(xs), f"{what} forward (sum over ranks)", **TOL)
+    assert_tensors_close(gx, gs[0], f"{what} backward (identity; W times this means an all-reduce too many)", **EXACT)
+    assert (fwd.calls("all_reduce"), fwd.bytes("all_reduce"), bwd.calls()) == (calls, calls * nbytes, 0), \
+        f"{what}: forward {fwd.summary()}, backward {bwd.summary()}; expected one all-reduce forward"
+
+    # gather_from_region: concatenate forward, own slice of the gradient backward.
+    g_full = _randn(3, 12 * W, seed=30)
+    y, gx, fwd, bwd = run(tp.gather_from_region, xs[rank], g_full)
+    what = f"rank {rank}, W={W}, gather_from_region"
+    assert_tensors_close(y, torch.cat(xs, -1), f"{what} forward (concatenation in rank order)", **EXACT)
+    assert_tensors_close(gx, g_full.chunk(W, -1)[rank], f"{what} backward (own slice)", **EXACT)
+    assert bwd.calls() == 0 and fwd.calls() == calls, f"{what}: forward {fwd.summary()}, backward {bwd.summary()}"
+
+    # scatter_to_region: own slice forward, gradients gathered backward.
+    x_full = _randn(3, 12, seed=40)
+    g_local = [_randn(3, 12 // W, seed=50 + r) for r in range(W)]
+    y, gx, fwd, bwd = run(tp.scatter_to_region, x_full, g_local[rank])
+    what = f"rank {rank}, W={W}, scatter_to_region"
+    assert_tensors_close(y, x_full.chunk(W, -1)[rank], f"{what} forward (own slice)", **EXACT)
+    assert_tensors_close(gx, torch.cat(g_local, -1), f"{what} backward (gathered slices)", **EXACT)
+    assert fwd.calls() == 0 and bwd.calls() == calls, f"{what}: forward {fwd.summary()}, backward {bwd.summary()}"
+
+
+@pytest.mark.exercise("2.15-2.16 tensor-parallel conjugate functions")
+@pytest.mark.parametrize("world_size", [2, 3, 4])  # at W = 1 the wrappers return x untouched (scaffolding)
+def test_tp_primitives_match_single_process(world_size):
+    run_distributed(_worker_tp_primitives, world_size)
+
+
+# =========================================================================== 2.17 column / row
+def _worker_parallel_linear(rank, world_size):
+    tp = load(PHASE, "tensor_parallel")
+    W = world_size
+    full = seeded(nn.Linear, 0, 12, 24).double()   # 12 and 24 divide by 1, 2, 3 and 4
+    x = _randn(5, 12, seed=1).requires_grad_()
+    y_ref = full(x)
+    g = _randn(5, 24, seed=2)
+    y_ref.backward(g)
+    for gather_output in (False, True):
+        col = tp.ColumnParallelLinear.from_linear(full, gather_output=gather_output)
+        xl = x.detach().clone().requires_grad_()
+        y = col(xl)
+        what = f"rank {rank}, W={W}, ColumnParallelLinear(gather_output={gather_output})"
+        expected = y_ref if gather_output else y_ref.chunk(W, -1)[rank]
+        assert_tensors_close(y, expected, f"{what} output", **TOL)
+        y.backward(g if gather_output else g.chunk(W, -1)[rank])
+        _compare_sharded(col, full, rank, W, what, grads=True)
+        assert_tensors_close(xl.grad, x.grad, f"{what} input gradient", **TOL)
+
+    full2 = seeded(nn.Linear, 1, 24, 12).double()
+    h = _randn(5, 24, seed=3).requires_grad_()
+    z_ref = full2(h)
+    gz = _randn(5, 12, seed=4)
+    z_ref.backward(gz)
+    for input_is_parallel in (True, False):
+        row = tp.RowParallelLinear.from_linear(full2, input_is_parallel=input_is_parallel)
+        hl = h.detach().clone()
+        hl = hl.chunk(W, -1)[rank].clone() if input_is_parallel else hl
+        hl.requires_grad_()
+        z = row(hl)
+        what = f"rank {rank}, W={W}, RowParallelLinear(input_is_parallel={input_is_parallel})"
+        assert_tensors_close(z, z_ref, f"{what} output", **TOL)
+        z.backward(gz)
+        _compare_sharded(row, full2, rank, W, what, grads=True)
+        expected = h.grad.chunk(W, -1)[rank] if input_is_parallel else h.grad
+        assert_tensors_close(hl.grad, expected, f"{what} input gradient", **TOL)
+
+
+@pytest.mark.exercise("2.17 column- and row-parallel linear")
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_parallel_linear_matches_nn_linear(world_size):
+    run_distributed(_worker_parallel_linear, world_size)
+
+
+def _worker_bad_sizes(rank, world_size):
+    tp = load(PHASE, "tensor_parallel")
+    cases = [(lambda: tp.ColumnParallelLinear(8, 10), "out_features 10 is not divisible by tensor-parallel size 3"),
+             (lambda: tp.RowParallelLinear(10, 8), "in_features 10 is not divisible by tensor-parallel size 3"),
+             (lambda: tp.ParallelSelfAttention(12, 4), "n_head 4 is not divisible by tensor-parallel size 3"),
+             (lambda: tp.VocabParallelEmbedding(10, 4), "vocab size 10 is not divisible by tensor-parallel size 3")]
+    for build, message in cases:
+        with pytest.raises(ValueError, match=message):
+            build()
+
+
+@pytest.mark.exercise("2.17 column- and row-parallel linear")
+@pytest.mark.scaffold
+def test_parallel_layers_reject_sizes_not_divisible_by_world_size():
+    run_distributed(_worker_bad_sizes, 3)
+
+
+# =========================================================================== 2.18 MLP and attention
+GPT_CFG = GPTConfig(vocab_size=48, block_size=8, n_layer=2, n_head=12, n_embd=24)  # all divide by 1-4
+
+
+def _check_block_layer(rank, W, tp_layer, full_layer, name):
+    x = _randn(2, 6, GPT_CFG.n_embd, seed=5).requires_grad_()
+    y_ref = full_layer(x)
+    g = _randn(*y_ref.shape, seed=6)
+    y_ref.backward(g)
+    xl = x.detach().clone().requires_grad_()
+    fwd, bwd = CommLedger(), CommLedger()
+    with fwd:
+        y = tp_layer(xl)
+    with bwd:
+        y.backward(g)
+    what = f"rank {rank}, W={W}, {name}"
+    assert_tensors_close(y, y_ref, f"{what} output", **TOL)
+    _compare_sharded(tp_layer, full_layer, rank, W, what, grads=True)
+    assert_tensors_close(xl.grad, x.grad, f"{what} input gradient", **TOL)
+    # The Megatron volumes: one all-reduce of the activation forward, one backward.
+    n = 0 if W == 1 else 1
+    expected = (n, n * x.numel() * 8)
+    assert _all_reduce_calls(fwd) == expected and fwd.calls() == n, \
+        f"{what}: forward communication {fwd.summary()}, expected {n} all-reduce of {x.numel() * 8} B"
+    assert _all_reduce_calls(bwd) == expected and bwd.calls() == n, \
+        f"{what}: backward communication {bwd.summary()}, expected {n} all-reduce of {x.numel() * 8} B"
+
+
+def _worker_parallel_mlp_attention(rank, world_size):
+    tp = load(PHASE, "tensor_parallel")
+    mlp = seeded(MLP, 0, GPT_CFG).double()
+    _check_block_layer(rank, world_size, tp.ParallelMLP.from_mlp(mlp), mlp, "ParallelMLP")
+    attn = seeded(CausalSelfAttention, 1, GPT_CFG).double()
+    _check_block_layer(rank, world_size, tp.ParallelSelfAttention.from_attention(attn), attn,
+                       "ParallelSelfAttention")
+
+
+@pytest.mark.exercise("2.18 parallel MLP and attention")
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_parallel_mlp_and_attention_match_full_layers(world_size):
+    run_distributed(_worker_parallel_mlp_attention, world_size)
+
+
+# =========================================================================== 2.19 vocab parallel
+def _worker_vocab_parallel(rank, world_size):
+    tp = load(PHASE, "tensor_parallel")
+    W, V = world_size, GPT_CFG.vocab_size
+    emb = seeded(nn.Embedding, 0, V, 6).double()
+    idx = torch.randint(V, (3, 7), generator=torch.Generator().manual_seed(1))
+    g = _randn(3, 7, 6, seed=2)
+    out_ref = emb(idx)
+    out_ref.backward(g)
+    pemb = tp.VocabParallelEmbedding.from_embedding(emb)
+    out = pemb(idx)
+    what = f"rank {rank}, W={W}, VocabParallelEmbedding"
+    assert_tensors_close(out, out_ref, f"{what} output", **EXACT)  # one nonzero term per sum
+    out.backward(g)
+    _compare_sharded(pemb, emb, rank, W, what, grads=True)
+
+    logits = _randn(10, V, seed=3).requires_grad_()
+    targets = torch.randint(V, (10,), generator=torch.Generator().manual_seed(4))
+    weights = _randn(10, seed=5)  # a weighted sum, so each token's gradient is scaled differently
+    loss_ref = F.cross_entropy(logits, targets, reduction="none")
+    (loss_ref * weights).sum().backward()
+    local = logits.detach().chunk(W, -1)[rank].clone().requires_grad_()
+    ledger = CommLedger()
+    with ledger:
+        loss = tp.vocab_parallel_cross_entropy(local, targets)
+    what = f"rank {rank}, W={W}, vocab_parallel_cross_entropy"
+    assert_tensors_close(loss, loss_ref, f"{what} per-token loss", **TOL)
+    (loss * weights).sum().backward()
+    assert_tensors_close(local.grad, logits.grad.chunk(W, -1)[rank], f"{what} logits gradient", **TOL)
+    assert ledger.calls("all_gather") == 0, f"{what}: must not gather the logits ({ledger.summary()})"
+    assert ledger.bytes() <= 3 * 10 * 8, f"{what}: moved {ledger.bytes()} B, at most 3 x N values expected"
+
+
+@pytest.mark.exercise("2.19 vocab-parallel embedding and cross-entropy")
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_vocab_parallel_matches_embedding_and_cross_entropy(world_size):
+    run_distributed(_worker_vocab_parallel, world_size)
+
+
+# =========================================================================== 2.20 TinyGPT
+def _worker_parallel_gpt(rank, world_size):
+    tp = load(PHASE, "tensor_parallel")
+    W = world_size
+    full = seeded(TinyGPT, 0, GPT_CFG).double()
+    model = tp.ParallelGPT(full)
+    _compare_sharded(model, full, rank, W, "init", grads=False)
+    opt_ref = torch.optim.Adam(full.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 + step)
+        idx = torch.randint(GPT_CFG.vocab_size, (2, GPT_CFG.block_size), generator=g)
+        targets = torch.randint(GPT_CFG.vocab_size, (2, GPT_CFG.block_size), generator=g)
+        logits_ref, loss_ref = full(idx, targets)
+        opt_ref.zero_grad()
+        loss_ref.backward()
+        opt.zero_grad()
+        logits, loss = model(idx, targets)
+        assert_tensors_close(logits, logits_ref.chunk(W, -1)[rank], f"rank {rank}, W={W}, step {step}, logits", **TOL)
+        assert_tensors_close(loss, loss_ref, f"rank {rank}, W={W}, step {step}, loss", **TOL)
+        loss.backward()
+        _compare_sharded(model, full, rank, W, step, grads=True)
+        opt.step()
+        opt_ref.step()
+        _compare_sharded(model, full, rank, W, f"{step} (after Adam)", grads=False)
+
+
+@pytest.mark.exercise("2.20 tensor-parallel TinyGPT")
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_parallel_gpt_matches_tinygpt(world_size):
+    run_distributed(_worker_parallel_gpt, world_size)
