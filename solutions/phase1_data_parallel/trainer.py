@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description="Naive data-parallel training of TinyCNN on digits.")
     parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--global-batch", type=int, default=64)
+    parser.add_argument("--global-batch", type=int, default=48,
+                        help="divisible by 1, 2, 3, 4, 6, 8, 12, 16 and 24 ranks")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--image-size", type=int, default=16)
     args = parser.parse_args(argv)

@@ -1,0 +1,135 @@
+"""Running on several machines: entrypoint.sh, the docker-compose simulation, cluster manifests.
+
+No Docker engine is needed: the compose file is validated offline (structure here,
+and ``docker-compose config -q`` when that binary exists), and its nodes are run the
+way the containers would run them: one entrypoint.sh per service, with that
+service's environment, on 127.0.0.1 instead of the bridge network.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from distlab.launch import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+ENTRYPOINT = REPO / "entrypoint.sh"
+
+
+def entrypoint_modes() -> dict[str, str]:
+    """The MODES table of entrypoint.sh: RUN_MODE -> module."""
+    return dict(re.findall(r"^\s*\[(\w+)\]=([\w.]+)\s*$", ENTRYPOINT.read_text(), flags=re.M))
+
+
+def _run_nodes(envs: list[dict], args: list[str], timeout_s: float = 240) -> list[tuple[int, str]]:
+    """Start one entrypoint.sh per node environment; return (exit code, output) per node.
+
+    Every node runs in its own process group, killed in ``finally``: nothing outlives the test.
+    """
+    procs = []
+    try:
+        for env in envs:
+            procs.append(subprocess.Popen([str(ENTRYPOINT), *args], cwd=REPO, env={**os.environ, **env},
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))
+        return [(p.wait(timeout=timeout_s), p.stdout.read()) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            p.stdout.close()
+
+
+def test_every_run_mode_names_a_module_with_main():
+    modes = entrypoint_modes()
+    assert {"comm", "train", "data_parallel_naive"} <= set(modes), modes
+    for mode, module in modes.items():
+        spec = importlib.util.find_spec(module)
+        assert spec is not None, f"RUN_MODE={mode}: module {module} not found"
+        assert "def main(" in Path(spec.origin).read_text(), f"RUN_MODE={mode}: {module} has no main()"
+
+
+def test_unknown_run_mode_lists_the_valid_ones():
+    out = subprocess.run([str(ENTRYPOINT)], env={**os.environ, "RUN_MODE": "nope"}, capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 2
+    assert "unknown RUN_MODE 'nope'" in out.stderr and "data_parallel_naive" in out.stderr
+
+
+def test_two_nodes_on_loopback_train_together():
+    port = str(free_port())
+    common = {"RUN_MODE": "data_parallel_naive", "NNODES": "2", "NPROC": "1", "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": port, "RDZV_ID": f"test-{port}", "OMP_NUM_THREADS": "1"}
+    results = _run_nodes([{**common, "NODE_RANK": "0"}, {**common, "NODE_RANK": "1"}], ["--epochs", "1"])
+    for node, (code, output) in enumerate(results):
+        assert code == 0, f"node {node} exited {code}:\n{output[-3000:]}"
+    summary = results[0][1]
+    assert "test accuracy" in summary and re.search(r"^2\s+1\s+", summary, flags=re.M), summary[-1500:]
+
+
+# --------------------------------------------------------------------------- docker-compose
+def _compose() -> dict:
+    return yaml.safe_load((REPO / "docker-compose.yaml").read_text())
+
+
+def _resolve(value: str, overrides: dict) -> str:
+    """Compose's ${VAR:-default} substitution, with ``overrides`` as the shell environment."""
+    return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: overrides.get(m.group(1), m.group(2)), str(value))
+
+
+def test_compose_file_describes_a_cluster():
+    compose = _compose()
+    services = compose["services"]
+    nodes = sorted(s for s in services if s.startswith("node"))
+    assert len(nodes) >= 2
+    envs = {name: services[name]["environment"] for name in nodes}
+    assert {e["NNODES"] for e in envs.values()} == {str(len(nodes))}, "NNODES must equal the number of node services"
+    assert sorted(e["NODE_RANK"] for e in envs.values()) == [str(i) for i in range(len(nodes))]
+    head = services["node0"]
+    assert all(e["MASTER_ADDR"] == head["hostname"] for e in envs.values()), "every node must rendezvous at node0"
+    assert "healthcheck" in head
+    for name in nodes:
+        svc = services[name]
+        assert svc["build"] == "." and svc["networks"] == ["cluster"] and svc["hostname"] == name
+        assert any(v.startswith("checkpoints:") for v in svc["volumes"]), f"{name} lacks the shared checkpoint volume"
+        if name != "node0":
+            assert svc["depends_on"]["node0"]["condition"] == "service_healthy"
+    assert compose["networks"]["cluster"]["driver"] == "bridge"
+    assert "checkpoints" in compose["volumes"]
+    mode = _resolve(envs["node0"]["RUN_MODE"], {})
+    assert mode in entrypoint_modes(), f"compose's default RUN_MODE {mode} is not a mode of entrypoint.sh"
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert re.search(r"^ENTRYPOINT \[\"\./entrypoint\.sh\"\]", dockerfile, flags=re.M)
+    assert "requirements.txt" in dockerfile
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose binary not installed")
+def test_compose_file_passes_docker_compose_config():
+    out = subprocess.run(["docker-compose", "-f", str(REPO / "docker-compose.yaml"), "config", "-q"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+def test_compose_nodes_run_as_the_containers_would():
+    """Each service's environment, as compose resolves it, with loopback standing in for the network."""
+    services = _compose()["services"]
+    port = str(free_port())
+    envs = []
+    for name in sorted(s for s in services if s.startswith("node")):
+        env = {k: _resolve(v, {}) for k, v in services[name]["environment"].items()}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RDZV_ID=f"compose-{port}", OMP_NUM_THREADS="1")
+        env.pop("GLOO_SOCKET_IFNAME", None)  # eth0 is the containers' interface, not this machine's
+        envs.append(env)
+    results = _run_nodes(envs, ["--epochs", "1"])
+    for node, (code, output) in enumerate(results):
+        assert code == 0, f"node{node} exited {code}:\n{output[-3000:]}"
+    assert "test accuracy" in results[0][1]
