@@ -1,0 +1,218 @@
+"""Elastic training: resume at a different world size, and notice a hung peer in seconds.
+
+A job saved by 4 ranks may come back with 3 (a node is gone) or 8 (more were
+granted). Two kinds of state are laid out *per rank* and must be remapped:
+
+1. **The data position.** Count it in *global samples* consumed this epoch, not in
+   per-rank batches. Every step takes the next ``global_batch`` indices of one seeded
+   permutation, and rank r takes its contiguous ``global_batch / W`` of them. Any W
+   that divides the global batch then trains on exactly the samples a single process
+   would have, in the same steps: the position survives the change of W.
+2. **Sharded optimizer state.** ``FlatShardedAdam`` (ZeRO-1 in miniature) keeps
+   Adam's two moments for one contiguous 1/W slice of the flattened parameters.
+   The checkpoint holds each rank's slice with its ``[start, end)``; at the new W,
+   each rank assembles its new slice from the overlapping pieces (``reshard_flat``).
+
+A peer that hangs (deadlock, stuck I/O, a GPU fault) would otherwise stall every
+collective until the process group's timeout, 30 minutes by default. ``heartbeat``
+is a barrier with a short timeout that *names* the ranks that did not arrive
+(``dist.monitored_barrier``, which gloo implements; NCCL jobs run it on a gloo side group).
+
+Cost: the sampler needs no communication; ``FlatShardedAdam.step`` all-gathers the
+updated parameters (|params| bytes per rank); a heartbeat is W-1 small messages to rank 0.
+See phase4_production/guidelines.md#elastic-training.
+"""
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from distlab.comm import all_gather_single
+from distlab.todo import todo
+
+
+class PeerTimeoutError(RuntimeError):
+    """A rank did not reach a heartbeat in time (the message names it)."""
+
+
+# --------------------------------------------------------------------------- data position
+class GlobalBatchSampler:
+    """Rank ``rank``'s slice of each global batch, resumable at any world size that divides the batch.
+
+    Epoch e visits ``torch.randperm(num_samples)`` seeded with ``seed + e``, one global
+    batch at a time (the tail smaller than a global batch is dropped); ``position`` is
+    the number of samples of the epoch already consumed, by all ranks together.
+
+    Equivalent to: a single process reading the same permutation in batches of
+    ``global_batch``, when the W slices of a step are concatenated in rank order.
+    Cost: no communication.
+    """
+
+    def __init__(self, num_samples: int, global_batch: int, rank: int, world_size: int, seed: int = 0) -> None:
+        if global_batch % world_size:
+            raise ValueError(f"global batch {global_batch} is not divisible by world size {world_size} "
+                             f"({global_batch} % {world_size} = {global_batch % world_size})")
+        if global_batch > num_samples:
+            raise ValueError(f"global batch {global_batch} is larger than the data set ({num_samples} samples)")
+        self.num_samples = num_samples
+        self.global_batch = global_batch
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.global_batch
+
+    def next_indices(self) -> list[int]:
+        """This rank's sample indices for the next step; advances the global position."""
+        # --- TODO 4.5: this rank's slice of the next global batch ---
+        # 1. If fewer than global_batch samples are left in the epoch, start the next
+        #    epoch (epoch += 1, position = 0): the tail is dropped.
+        # 2. perm = torch.randperm(num_samples) with a torch.Generator seeded seed + epoch.
+        # 3. The global batch is perm[position:position + global_batch]; rank r takes its
+        #    r-th contiguous global_batch // world_size of it.
+        # 4. position advances by the GLOBAL batch: that is what makes it world-size free.
+        raise todo("4.5 resumable global sampler", "guidelines.md#elastic-training")
+        # --- end TODO 4.5 ---
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "global_batch": self.global_batch, "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved position, whatever world size saved it."""
+        for key in ("seed", "global_batch", "num_samples"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"saved sampler has {key}={state[key]} but this one has {getattr(self, key)}: "
+                                 "the global data order would change")
+        self.epoch = state["epoch"]
+        self.position = state["position"]
+
+
+# --------------------------------------------------------------------------- sharded optimizer state
+def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
+    """``[start, end)`` of rank's slice when ``numel`` elements are cut into W padded chunks.
+
+    Chunks are ``ceil(numel / W)`` long; the last ones may be shorter or empty.
+    """
+    chunk = math.ceil(numel / world_size)
+    start = min(rank * chunk, numel)
+    return start, min(start + chunk, numel)
+
+
+def reshard_flat(pieces: Iterable[tuple[int, int, torch.Tensor]], start: int, end: int) -> torch.Tensor:
+    """Assemble the flat slice ``[start, end)`` from saved ``(piece_start, piece_end, values)`` slices.
+
+    The pieces are the slices some other world size held; together they cover
+    ``[start, end)`` (any piece may overlap it partly or not at all).
+
+    Equivalent to: ``torch.cat([values for the pieces, in order])[start:end]``.
+    Raises:
+        ValueError: some element of ``[start, end)`` is in no piece.
+    """
+    pieces = list(pieces)
+    dtype = pieces[0][2].dtype if pieces else torch.float32
+    out = torch.empty(end - start, dtype=dtype)
+    covered = torch.zeros(end - start, dtype=torch.bool)
+    # --- TODO 4.6: copy the overlap of every piece ---
+    # For a piece [p_start, p_end): the overlap with [start, end) is [max(...), min(...)).
+    # Copy it into `out` (offset by start) from `values` (offset by p_start) and mark
+    # `covered`. Pieces that do not overlap contribute nothing.
+    raise todo("4.6 reshard flat optimizer state", "guidelines.md#elastic-training")
+    # --- end TODO 4.6 ---
+    if not bool(covered.all()):
+        missing = start + int((~covered).nonzero()[0])
+        raise ValueError(f"element {missing} of [{start}, {end}) is in none of the saved pieces")
+    return out
+
+
+class FlatShardedAdam(torch.optim.Optimizer):
+    """Adam whose moments are sharded: rank r updates only its slice of the flat parameters.
+
+    Gradients must already be averaged over the ranks (all-reduce before ``step``).
+    The same update as ``torch.optim.Adam`` (no weight decay), element for element.
+
+    Collective: ``step`` must be called on every rank (it all-gathers the parameters).
+    Cost: optimizer memory 2 |params| / W per rank; |params| bytes all-gathered per step.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+        self.group = group
+        self.params = [p for g in self.param_groups for p in g["params"]]
+        self.numel = sum(p.numel() for p in self.params)
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.start, self.end = shard_range(self.numel, self.rank, self.world_size)
+        like = self.params[0]
+        self.exp_avg = torch.zeros(self.end - self.start, dtype=like.dtype, device=like.device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        self.step_count = 0
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        lr, (beta1, beta2), eps = (self.param_groups[0][k] for k in ("lr", "betas", "eps"))
+        flat = torch.cat([p.reshape(-1) for p in self.params])
+        grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+        p, g = flat[self.start:self.end], grad[self.start:self.end]
+        self.step_count += 1
+        self.exp_avg.lerp_(g, 1 - beta1)
+        self.exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        bias1, bias2 = 1 - beta1 ** self.step_count, 1 - beta2 ** self.step_count
+        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(eps)
+        p.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
+        # Everyone gets everyone's updated slice: padded to equal chunks for the all-gather.
+        chunk = math.ceil(self.numel / self.world_size)
+        mine = torch.zeros(chunk, dtype=flat.dtype, device=flat.device)
+        mine[:self.end - self.start] = p
+        gathered = torch.empty(chunk * self.world_size, dtype=flat.dtype, device=flat.device)
+        all_gather_single(gathered, mine, group=self.group)
+        offset = 0
+        for param in self.params:
+            param.copy_(gathered[offset:offset + param.numel()].view_as(param))
+            offset += param.numel()
+
+    def shard_state_dict(self) -> dict:
+        """This rank's slice of the moments, with the range it covers, and the hyperparameters
+        (the learning rate an LR scheduler has set lives in ``param_groups``, not in the scheduler)."""
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {"step": self.step_count, "start": self.start, "end": self.end, "numel": self.numel,
+                "param_groups": groups, "exp_avg": self.exp_avg.cpu(), "exp_avg_sq": self.exp_avg_sq.cpu()}
+
+    def load_shards(self, shards: list[dict]) -> None:
+        """Load the slices saved by *any* number of ranks (every rank passes all of them)."""
+        if shards[0]["numel"] != self.numel:
+            raise ValueError(f"saved optimizer state covers {shards[0]['numel']} parameters, "
+                             f"this model has {self.numel}")
+        self.step_count = shards[0]["step"]
+        for group, saved in zip(self.param_groups, shards[0]["param_groups"]):
+            group.update(saved)
+        for key in ("exp_avg", "exp_avg_sq"):
+            pieces = [(s["start"], s["end"], s[key]) for s in shards]
+            getattr(self, key).copy_(reshard_flat(pieces, self.start, self.end))
+
+
+# --------------------------------------------------------------------------- hung peers
+def heartbeat(timeout_s: float, group: dist.ProcessGroup | None = None) -> None:
+    """Wait until every rank of ``group`` arrives, at most ``timeout_s``; else name the missing ranks.
+
+    Equivalent to: ``dist.barrier(group)``, which would wait for the full process-group timeout.
+    Collective: every rank of ``group`` must call it; ``group`` must be a gloo group.
+    Cost: W-1 small messages to rank 0 and back.
+    Raises:
+        PeerTimeoutError: on rank 0, naming every rank that did not arrive; on the
+            others, saying rank 0 did not answer.
+    """
+    # --- TODO 4.7: a barrier that times out and names the missing ranks ---
+    # dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s),
+    # wait_all_ranks=True) (wait_all_ranks: report every missing rank, not only the first).
+    # Turn its RuntimeError into PeerTimeoutError(f"rank {rank}: heartbeat timed out after
+    # {timeout_s:g} s: {exc}"), keeping its message: on rank 0 it lists the missing ranks.
+    raise todo("4.7 hung-peer heartbeat", "guidelines.md#detecting-a-hung-peer")
+    # --- end TODO 4.7 ---

@@ -1,0 +1,248 @@
+"""Checkpoints that survive crashes: atomic, checksummed, verified, complete enough to resume exactly.
+
+A job that runs for days will be killed: a node dies, the scheduler preempts it, a
+rank runs out of memory, often *while a checkpoint is being written*. Three rules
+make a checkpoint trustworthy:
+
+1. **Atomic.** Write to a temporary file in the same directory, flush it to disk
+   (``fsync``), rename it over the final name (``os.replace`` is atomic on POSIX),
+   then fsync the directory so the rename itself is durable. A reader sees the old
+   file or the new one, never half of one.
+2. **Verified.** The file starts with a header: a magic line, the payload's length
+   and its SHA-256. Loading recomputes both and refuses a truncated or corrupted
+   file with ``CheckpointError``; the manager then falls back to the previous good
+   checkpoint instead of crashing or, worse, training on garbage.
+3. **Safe to load.** ``torch.load(..., weights_only=True)``: only tensors and plain
+   containers are unpickled, never arbitrary code from a file someone handed you.
+
+And *complete*: model, optimizer, LR scheduler, the sampler's epoch and position,
+the step, and every random generator a step draws from (torch CPU and CUDA, numpy,
+Python's ``random``). Miss one and the resumed run drifts from the uninterrupted one.
+
+On disk, one directory per checkpoint, one file per rank (its RNG, its optimizer
+shard) plus ``meta.pt`` written last::
+
+    ckpt/step_00000010/rank0.pt rank1.pt ... meta.pt
+
+A step is staged as ``step_00000010.tmp/`` and renamed once every rank's file is in,
+so a half-written step is never picked up. The newest ``keep`` steps are kept.
+
+Cost: no data communication; two barriers per save. Disk: each rank's state.
+See phase4_production/guidelines.md#crash-safe-checkpoints.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import random
+import shutil
+import struct
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+MAGIC = b"DISTLAB-CKPT-1\n"
+_HEADER = struct.Struct("<Q32s")  # payload length, SHA-256 of the payload
+HEADER_BYTES = len(MAGIC) + _HEADER.size
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that is missing, truncated, corrupted, or not a checkpoint at all."""
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the rename durable: without it a power loss can forget the new name.
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- files
+def save_file(obj: Any, path: str | Path) -> None:
+    """Write ``obj`` (tensors and plain containers) to ``path`` atomically, with a checksum.
+
+    Equivalent to: ``torch.save(obj, path)``, except that a crash at any moment
+    leaves either the previous file or the complete new one.
+    Collective: no (each rank writes its own files).
+    Cost: |obj| bytes written once, one fsync of the file and one of the directory.
+    """
+    path = Path(path)
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    payload = buffer.getvalue()
+    header = MAGIC + _HEADER.pack(len(payload), hashlib.sha256(payload).digest())
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")  # same directory: rename stays atomic
+    with open(tmp, "wb") as f:
+        f.write(header)
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def verify_file(path: str | Path) -> bytes:
+    """Return the payload of the checkpoint file at ``path`` after checking its header.
+
+    Raises:
+        CheckpointError: missing file, wrong magic, truncated payload, or checksum mismatch,
+            with the path and what is wrong in the message.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: checkpoint file is missing") from None
+    if not data.startswith(MAGIC):
+        raise CheckpointError(f"{path}: not a distlab checkpoint (bad magic header)")
+    if len(data) < HEADER_BYTES:
+        raise CheckpointError(f"{path}: truncated: {len(data)} bytes, shorter than the {HEADER_BYTES}-byte header")
+    length, digest = _HEADER.unpack_from(data, len(MAGIC))
+    payload = data[HEADER_BYTES:]
+    if len(payload) != length:
+        raise CheckpointError(f"{path}: truncated: payload has {len(payload)} of {length} bytes")
+    if hashlib.sha256(payload).digest() != digest:
+        raise CheckpointError(f"{path}: checksum mismatch: the file is corrupted")
+    return payload
+
+
+def load_file(path: str | Path, map_location: str | torch.device | None = None) -> Any:
+    """Load a file written by ``save_file``: checksum verified, then unpickled with ``weights_only``.
+
+    Raises:
+        CheckpointError: see ``verify_file``.
+    """
+    payload = verify_file(path)
+    # weights_only: tensors, numbers, strings and containers only; a pickle that
+    # tries to build any other object is refused instead of executed.
+    return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
+
+
+# --------------------------------------------------------------------------- RNG
+def capture_rng_state() -> dict:
+    """Every random generator a training step may draw from, as weights_only-loadable values.
+
+    torch CPU, every CUDA device (if CUDA is initialised), numpy's global generator
+    (its key array as a tensor: ndarrays are not weights_only-loadable) and Python's ``random``.
+    """
+    import numpy as np
+
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": {"name": name, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    """Undo ``capture_rng_state``: every generator continues exactly where it was captured."""
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --------------------------------------------------------------------------- manager
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint directory: the step it holds and how many ranks wrote it."""
+
+    step: int
+    world_size: int
+    path: Path
+
+    def load(self, rank: int, map_location: str | torch.device | None = None) -> Any:
+        """The state that rank ``rank`` of the saving job wrote (verified)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not in [0, {self.world_size - 1}]: "
+                             f"this checkpoint was written by {self.world_size} ranks")
+        return load_file(self.path / f"rank{rank}.pt", map_location)
+
+
+class CheckpointManager:
+    """One directory of step checkpoints: collective ``save``, ``latest`` good one, newest ``keep`` kept.
+
+    Args:
+        directory: where the ``step_XXXXXXXX/`` directories live (shared by all ranks).
+        keep: how many complete checkpoints to keep (older ones are deleted after a save).
+        group: the ranks that save together (None = WORLD).
+    """
+
+    def __init__(self, directory: str | Path, keep: int = 3, group: dist.ProcessGroup | None = None) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}: the newest checkpoint is always kept")
+        self.directory = Path(directory)
+        self.keep = keep
+        self.group = group
+
+    def step_dir(self, step: int) -> Path:
+        return self.directory / f"step_{step:08d}"
+
+    def save(self, step: int, state: Any) -> Path:
+        """Every rank writes its ``state``; rank 0 then publishes the step atomically and prunes.
+
+        Collective: every rank of ``group`` must call it with the same ``step``.
+        Cost: two barriers; |state| bytes written per rank.
+        """
+        rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        final = self.step_dir(step)
+        staging = final.with_name(final.name + ".tmp")
+        staging.mkdir(parents=True, exist_ok=True)
+        save_file(state, staging / f"rank{rank}.pt")
+        if dist.is_initialized():
+            dist.barrier(group=self.group)  # every rank's file is in the staging directory
+        if rank == 0:
+            save_file({"step": step, "world_size": world_size}, staging / "meta.pt")
+            if final.exists():  # the same step saved again after a restart: replace it
+                shutil.rmtree(final)
+            os.replace(staging, final)
+            _fsync_dir(self.directory)
+            self._prune()
+        if dist.is_initialized():
+            dist.barrier(group=self.group)  # nobody reads or writes the next step before this one is published
+        return final
+
+    def _prune(self) -> None:
+        complete = sorted(p for p in self.directory.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+        for old in complete[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def latest(self) -> Checkpoint | None:
+        """The newest checkpoint whose every file verifies; None when there is none.
+
+        A directory whose ``meta.pt`` or any ``rank*.pt`` is missing, truncated or
+        corrupted is skipped with a warning that names the file and the step used
+        instead. Staging directories (``*.tmp``) are never considered.
+
+        Collective: no; every rank reaches the same answer from the same files.
+        """
+        if not self.directory.is_dir():
+            return None
+        candidates = sorted((p for p in self.directory.glob("step_*")
+                             if p.is_dir() and not p.name.endswith(".tmp")), reverse=True)
+        for path in candidates:
+            try:
+                meta = load_file(path / "meta.pt")
+                for r in range(meta["world_size"]):
+                    verify_file(path / f"rank{r}.pt")
+            except CheckpointError as exc:
+                warnings.warn(f"skipping checkpoint {path.name}: {exc}; falling back to an older one",
+                              stacklevel=2)
+                continue
+            return Checkpoint(step=int(meta["step"]), world_size=int(meta["world_size"]), path=path)
+        return None
