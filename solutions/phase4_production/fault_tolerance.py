@@ -52,7 +52,7 @@ class RunConfig:
 
     steps: int = 12
     global_batch: int = 12
-    ckpt_dir: str = "checkpoints/fault_tolerance"
+    ckpt_dir: str = "runs/fault_tolerance/checkpoints"
     ckpt_every: int = 2
     keep: int = 3
     crash_at_steps: tuple[int, ...] = ()
