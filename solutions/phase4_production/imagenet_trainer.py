@@ -1,0 +1,344 @@
+"""Capstone: large-scale image classification with everything the course built.
+
+One script, from a laptop smoke run to a multi-node GPU job:
+
+    RUN_MODE=imagenet ./entrypoint.sh                                  # digits on 2 CPU ranks
+    RUN_MODE=imagenet ./entrypoint.sh --strategy zero --zero-stage 3
+    torchrun --nnodes=2 --nproc_per_node=8 ... -m solutions.phase4_production.imagenet_trainer \\
+        --model resnet50 --dataset imagefolder --data-root /data/imagenet --amp bf16 --global-batch 2048
+
+* models: torchvision's ResNet-18/50 (a 3x3 stem without max-pool for images of 64 px or
+  less), ViT-B/16, and a small ViT for CPU runs;
+* data: ImageFolder (ImageNet layout), CIFAR-10, or the offline digits default, read in
+  global batches whose position survives a change of world size (Phase 4's sampler);
+* strategies: ``ddp`` (torch's DDP), ``ours`` (Phase 3's bucketed, overlapped DDP),
+  ``zero`` (Phase 3's ZeRO, ``--zero-stage`` 1-3), ``fsdp`` (torch's FSDP2);
+* mixed precision (``--amp bf16|fp16``), gradient compression (``--compression``),
+  SyncBatchNorm, linear warm-up then cosine decay, DataLoader workers;
+* crash-safe checkpoints every ``--checkpoint-every`` steps and on exit, resumed
+  automatically (at any world size that divides the global batch, with ddp/ours);
+* monitoring: per-step time split into data / compute / optimizer, throughput, and a
+  summary table at the end.
+
+See phase4_production/guidelines.md#capstone.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+STRATEGIES = ("ddp", "ours", "zero", "fsdp")
+MODELS = ("resnet18", "resnet50", "vit_b_16", "vit_tiny")
+
+
+@dataclass
+class Config:
+    model: str = "resnet18"
+    dataset: str = "digits"
+    data_root: str = "data"
+    download: bool = False
+    image_size: int = 16
+    strategy: str = "ddp"
+    zero_stage: int = 1
+    epochs: int = 3
+    max_steps: int = 0
+    global_batch: int = 64
+    lr: float = 0.05
+    weight_decay: float = 5e-4
+    warmup_steps: int = 10
+    amp: str = "none"
+    compression: str = "none"
+    bucket_mb: float = 25.0
+    sync_bn: bool = False
+    workers: int = 0
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 100
+    keep: int = 3
+    seed: int = 0
+    log_every: int = 20
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"--strategy {self.strategy!r}: choose one of {STRATEGIES}")
+        if self.model not in MODELS:
+            raise ValueError(f"--model {self.model!r}: choose one of {MODELS}")
+        if not 1 <= self.zero_stage <= 3:
+            raise ValueError(f"--zero-stage must be 1, 2 or 3, got {self.zero_stage}")
+        if self.amp == "fp16" and self.strategy not in ("ddp", "fsdp"):
+            raise ValueError(f"--amp fp16 needs a loss scaler on torch's optimizer: use --strategy ddp or fsdp, "
+                             f"or --amp bf16 with {self.strategy}")
+        if self.compression != "none" and self.strategy != "ddp":
+            raise ValueError(f"--compression {self.compression} is a DDP communication hook: "
+                             f"use it with --strategy ddp, not {self.strategy}")
+
+
+def build_model(name: str, num_classes: int, image_size: int) -> nn.Module:
+    import torchvision.models as tvm
+
+    if name.startswith("resnet"):
+        model = getattr(tvm, name)(num_classes=num_classes)
+        if image_size <= 64:  # ImageNet's 7x7/2 stem + max-pool would leave 1x1 maps of a 32 px image
+            model.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+            model.maxpool = nn.Identity()
+        return model
+    if name == "vit_b_16":
+        return tvm.vit_b_16(image_size=image_size, num_classes=num_classes)
+    patch = max(2, image_size // 8)
+    return tvm.VisionTransformer(image_size=image_size, patch_size=patch, num_layers=4, num_heads=4,
+                                 hidden_dim=128, mlp_dim=256, num_classes=num_classes)
+
+
+class _RGB(Dataset):
+    """Grey images as 3 identical channels (digits), so every torchvision model applies."""
+
+    def __init__(self, base: Dataset) -> None:
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i):
+        x, y = self.base[i]
+        return x.expand(3, *x.shape[1:]), y
+
+
+def build_data(cfg: Config) -> tuple[Dataset, Dataset, int]:
+    from distlab import data
+
+    if cfg.dataset == "digits":
+        return _RGB(data.digits("train", cfg.image_size)), _RGB(data.digits("test", cfg.image_size)), 10
+    if cfg.dataset == "cifar10":
+        return (data.cifar10(cfg.data_root, "train", cfg.download, augment=True),
+                data.cifar10(cfg.data_root, "test", cfg.download), 10)
+    if cfg.dataset == "imagefolder":
+        train = data.imagefolder(cfg.data_root, "train", cfg.image_size, augment=True)
+        return train, data.imagefolder(cfg.data_root, "val", cfg.image_size), len(train.classes)
+    raise ValueError(f"--dataset {cfg.dataset!r}: choose digits, cifar10 or imagefolder")
+
+
+class Engine:
+    """One strategy behind one interface: forward, backward, step, state."""
+
+    def __init__(self, cfg: Config, model: nn.Module, device: torch.device) -> None:
+        self.cfg, self.kind = cfg, cfg.strategy
+        opt_kwargs = dict(lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+        if cfg.sync_bn:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model = model.to(device)
+        if self.kind == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                                 bucket_cap_mb=cfg.bucket_mb)
+            if cfg.compression != "none":
+                from solutions.phase4_production.compression import make_hook
+
+                self.model.register_comm_hook(*make_hook(cfg.compression))
+            self.optimizer = torch.optim.SGD(self.model.parameters(), **opt_kwargs)
+        elif self.kind == "ours":
+            from solutions.phase3_multi_node.ddp_bucketed import DDPBucketed
+
+            self.model = DDPBucketed(model, bucket_size_mb=cfg.bucket_mb)
+            self.optimizer = torch.optim.SGD(self.model.parameters(), **opt_kwargs)
+        elif self.kind == "zero" and cfg.zero_stage < 3:
+            from solutions.phase3_multi_node.zero import ZeroOptimizer
+
+            self.model = model
+            self.zero = ZeroOptimizer(model, torch.optim.SGD, stage=cfg.zero_stage, bucket_size_mb=cfg.bucket_mb,
+                                      **opt_kwargs)
+            self.optimizer = self.zero.optimizer
+        elif self.kind == "zero":
+            from solutions.phase3_multi_node.fsdp import FullyShardedDataParallel
+
+            self.model = FullyShardedDataParallel(model, torch.optim.SGD, **opt_kwargs)
+            self.optimizer = self.model.optimizer
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            for m in model.modules():  # one FSDP unit per residual stage / encoder block
+                if m is not model and type(m).__name__ in ("Sequential", "EncoderBlock") and \
+                        any(p.requires_grad for p in m.parameters()):
+                    fully_shard(m)
+            self.model = fully_shard(model)
+            self.optimizer = torch.optim.SGD(self.model.parameters(), **opt_kwargs)
+
+    def step(self) -> None:
+        if self.kind == "ours":
+            self.model.finish_gradient_synchronization()
+        if self.kind == "zero" and self.cfg.zero_stage < 3:
+            self.zero.step()
+        elif self.kind == "zero":
+            self.model.step()
+        else:
+            self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        target = self.zero if self.kind == "zero" and self.cfg.zero_stage < 3 else \
+            self.model if self.kind == "zero" else self.optimizer
+        target.zero_grad()
+
+    def state_dict(self) -> dict:
+        if self.kind in ("ddp", "ours"):
+            return {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        if self.kind == "zero" and self.cfg.zero_stage < 3:
+            return {"model": self.model.state_dict(), "zero": self.zero.sharded_state_dict()}
+        if self.kind == "zero":
+            return {"fsdp": self.model.sharded_state_dict()}
+        raise ValueError("--checkpoint-dir with --strategy fsdp: torch's FSDP2 saves through "
+                         "torch.distributed.checkpoint; use ddp, ours or zero for this script's checkpoints")
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.kind in ("ddp", "ours"):
+            self.model.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        elif self.kind == "zero" and self.cfg.zero_stage < 3:
+            self.model.load_state_dict(state["model"])
+            self.zero.load_sharded_state_dict(state["zero"])
+        else:
+            self.model.load_sharded_state_dict(state["fsdp"])
+
+
+def _batches(dataset: Dataset, sampler, steps: int, workers: int, pin_memory: bool):
+    """Yield (images, labels, sampler state after this step) for ``steps`` steps.
+
+    Indices are drawn an epoch's worth at a time and handed to a DataLoader (so
+    ``workers`` processes decode ahead); the sampler state travels with each batch,
+    because the loader runs ahead of training and a checkpoint must record where
+    *training* is, not where prefetching is.
+    """
+    while steps > 0:
+        n = min(steps, sampler.steps_per_epoch())
+        indices, states = zip(*[(sampler.next_indices(), sampler.state_dict()) for _ in range(n)])
+        loader = DataLoader(dataset, batch_sampler=list(indices), num_workers=workers, pin_memory=pin_memory)
+        for (x, y), state in zip(loader, states):
+            yield x, y, state
+        steps -= n
+
+
+def lr_lambda(cfg: Config, total_steps: int):
+    """Linear warm-up to the base rate, then cosine decay to zero."""
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset: Dataset, device: torch.device, rank: int, world_size: int,
+             batch_size: int = 256) -> float:
+    """Top-1 accuracy over the whole set: each rank scores a strided shard, counts are summed."""
+    model.eval()
+    shard = torch.utils.data.Subset(dataset, range(rank, len(dataset), world_size))
+    counts = torch.zeros(2, device=device)
+    for x, y in DataLoader(shard, batch_size=batch_size):
+        counts += torch.tensor([(model(x.to(device)).argmax(1) == y.to(device)).sum().item(), len(y)], device=device)
+    model.train()
+    dist.all_reduce(counts)
+    return (counts[0] / counts[1]).item()
+
+
+def train(cfg: Config) -> dict:
+    from distlab.launch import init_from_env, shutdown
+    from distlab.metrics import StepTimer, format_table, log0, progress
+    from solutions.phase4_production.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+    from solutions.phase4_production.elastic import GlobalBatchSampler
+
+    env = init_from_env()
+    try:
+        torch.manual_seed(cfg.seed)
+        train_set, val_set, num_classes = build_data(cfg)
+        engine = Engine(cfg, build_model(cfg.model, num_classes, cfg.image_size), env.device)
+        sampler = GlobalBatchSampler(len(train_set), cfg.global_batch, env.rank, env.world_size, cfg.seed)
+        total = cfg.max_steps or cfg.epochs * sampler.steps_per_epoch()
+        scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lr_lambda(cfg, total))
+        manager = CheckpointManager(cfg.checkpoint_dir, cfg.keep) if cfg.checkpoint_dir else None
+        step = 0
+        if manager and (ckpt := manager.latest()) is not None:
+            state = ckpt.load(env.rank if ckpt.world_size == env.world_size else 0, map_location=env.device)
+            if ckpt.world_size != env.world_size and cfg.strategy == "zero":
+                raise ValueError(f"checkpoint {ckpt.path} was written by {ckpt.world_size} ranks; --strategy zero "
+                                 f"resumes at the same world size (this job has {env.world_size})")
+            engine.load_state_dict(state["engine"])
+            scheduler.load_state_dict(state["scheduler"])
+            sampler.load_state_dict(state["sampler"])
+            if ckpt.world_size == env.world_size:
+                restore_rng_state(state["rng"])
+            step = state["step"]
+            log0(f"resumed from {ckpt.path} (step {step}, written by {ckpt.world_size} ranks)")
+        amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
+        scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16")
+        timer = StepTimer(env.device)
+        log0(f"{cfg.model} on {cfg.dataset} ({len(train_set)} images, {num_classes} classes), strategy "
+             f"{cfg.strategy}{cfg.zero_stage if cfg.strategy == 'zero' else ''}, {env.world_size} ranks "
+             f"({env.backend}), global batch {cfg.global_batch}, {total} steps")
+
+        def save(sampler_state: dict) -> None:
+            if manager:
+                manager.save(step, {"engine": engine.state_dict(), "scheduler": scheduler.state_dict(),
+                                    "sampler": sampler_state, "rng": capture_rng_state(), "step": step})
+
+        start, loss, sampler_state = time.perf_counter(), torch.zeros(()), sampler.state_dict()
+        batches = _batches(train_set, sampler, total - step, cfg.workers, env.device.type == "cuda")
+        for _ in (bar := progress(range(step, total), desc="train", total=total, initial=step)):
+            with timer("data"):
+                x, y, sampler_state = next(batches)
+                x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+            with timer("compute"):
+                engine.zero_grad()
+                with torch.autocast(env.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                    loss = F.cross_entropy(engine.model(x), y)
+                scaler.scale(loss).backward()
+            with timer("optimizer"):
+                if scaler.is_enabled():  # fp16 (ddp/fsdp only): unscale, skip the step on inf/nan
+                    scaler.step(engine.optimizer)
+                    scaler.update()
+                else:
+                    engine.step()
+                scheduler.step()
+            step += 1
+            if hasattr(bar, "set_postfix") and step % cfg.log_every == 0:
+                bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{scheduler.get_last_lr()[0]:.4f}")
+            if step % cfg.checkpoint_every == 0:
+                save(sampler_state)
+        elapsed = time.perf_counter() - start
+        if step % cfg.checkpoint_every:
+            save(sampler_state)
+        accuracy = evaluate(engine.model, val_set, env.device, env.rank, env.world_size)
+        times = timer.summary()
+        done = max(1, len(timer.times.get("compute", [])))
+        summary = {"model": cfg.model, "strategy": cfg.strategy, "ranks": env.world_size, "steps": total,
+                   "final loss": f"{loss.item():.3f}", "val accuracy": f"{accuracy:.1%}",
+                   "chance": f"{1 / num_classes:.1%}", "images/s": f"{done * cfg.global_batch / elapsed:.0f}",
+                   "data/compute/opt s": "/".join(f"{times.get(k, 0):.1f}" for k in ("data", "compute", "optimizer"))}
+        log0("\n" + format_table([summary]))
+        return {"accuracy": accuracy, "loss": loss.item()}
+    finally:
+        shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Capstone: image classification with every strategy of the course.")
+    for field, default in Config.__dataclass_fields__.items():
+        flag = "--" + field.replace("_", "-")
+        value = default.default
+        if isinstance(value, bool):
+            parser.add_argument(flag, action="store_true")
+        else:
+            choices = {"strategy": STRATEGIES, "model": MODELS, "amp": ("none", "bf16", "fp16"),
+                       "dataset": ("digits", "cifar10", "imagefolder")}.get(field)
+            parser.add_argument(flag, type=type(value), default=value, choices=choices)
+    train(Config(**vars(parser.parse_args(argv))))
+
+
+if __name__ == "__main__":
+    main()
