@@ -7,6 +7,7 @@ service's environment, on 127.0.0.1 instead of the bridge network.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import re
@@ -133,3 +134,55 @@ def test_compose_nodes_run_as_the_containers_would():
     for node, (code, output) in enumerate(results):
         assert code == 0, f"node{node} exited {code}:\n{output[-3000:]}"
     assert "test accuracy" in results[0][1]
+
+
+# --------------------------------------------------------------------------- SLURM and Kubernetes
+DEPLOYMENT = REPO / "solutions" / "phase4_production" / "deployment"
+
+
+def _check_module_command(args: list[str], where: str) -> None:
+    """``-m module --flag=value ...``: the module exists and its parser accepts every flag and value."""
+    assert "-m" in args, f"{where}: no `-m module` in {args}"
+    module = args[args.index("-m") + 1]
+    assert importlib.util.find_spec(module) is not None, f"{where}: module {module} not found"
+    flags = args[args.index("-m") + 2:]
+    parser = importlib.import_module(module).build_parser()
+    try:
+        parser.parse_args(flags)
+    except SystemExit:
+        raise AssertionError(f"{where}: {module} rejects {flags}") from None
+
+
+def test_kubernetes_pytorchjob_is_elastic_and_runs_the_capstone():
+    job = yaml.safe_load((DEPLOYMENT / "kubernetes.yaml").read_text())
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+    elastic = job["spec"]["elasticPolicy"]
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert elastic["rdzvBackend"] == "c10d" and elastic["maxRestarts"] >= 1
+    assert elastic["minReplicas"] <= worker["replicas"] <= elastic["maxReplicas"]
+    container = worker["template"]["spec"]["containers"][0]
+    command = [str(c).split("#")[0].strip() for c in container["command"]]
+    assert command[0] == "torchrun"
+    _check_module_command(command, "kubernetes.yaml")
+    gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+    assert f"--nproc_per_node={gpus}" in command, "one process per GPU"
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"] for v in worker["template"]["spec"]["volumes"]}
+    assert set(mounts) <= volumes
+    ckpt = next(c for c in command if c.startswith("--checkpoint-dir="))
+    assert ckpt.split("=", 1)[1].startswith(mounts["checkpoints"]), "checkpoints must go to the shared volume"
+
+
+def test_slurm_script_finds_the_head_node_and_runs_the_capstone():
+    text = (DEPLOYMENT / "slurm.sbatch").read_text()
+    directives = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", text, flags=re.M))
+    assert directives["ntasks-per-node"] == "1", "one torchrun per node"
+    assert "scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1" in text
+    command = " ".join(line.rstrip("\\").strip() for line in text.split("srun --kill-on-bad-exit=1", 1)[1].splitlines()
+                       if line.strip() and not line.strip().startswith("#"))
+    args = command.split()
+    assert args[0] == "torchrun" and "--rdzv_backend=c10d" in args
+    assert any(a.startswith("--rdzv_endpoint=\"$head_addr") for a in args)
+    _check_module_command([a.replace('"', "") for a in args], "slurm.sbatch")
+    out = subprocess.run(["bash", "-n", str(DEPLOYMENT / "slurm.sbatch")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr

@@ -326,7 +326,8 @@ def train(cfg: Config) -> dict:
         shutdown()
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per Config field (``--global-batch`` for ``global_batch``)."""
     parser = argparse.ArgumentParser(description="Capstone: image classification with every strategy of the course.")
     for field, default in Config.__dataclass_fields__.items():
         flag = "--" + field.replace("_", "-")
@@ -337,7 +338,11 @@ def main(argv: list[str] | None = None) -> None:
             choices = {"strategy": STRATEGIES, "model": MODELS, "amp": ("none", "bf16", "fp16"),
                        "dataset": ("digits", "cifar10", "imagefolder")}.get(field)
             parser.add_argument(flag, type=type(value), default=value, choices=choices)
-    train(Config(**vars(parser.parse_args(argv))))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    train(Config(**vars(build_parser().parse_args(argv))))
 
 
 if __name__ == "__main__":
