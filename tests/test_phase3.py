@@ -201,3 +201,79 @@ def test_ring_rejects_unknown_op_and_integer_avg():
             fn(torch.zeros(2), op="max")
         with pytest.raises(ValueError, match="needs a floating-point tensor"):
             fn(torch.zeros(2, dtype=torch.int64), op="avg")
+
+
+# --------------------------------------------------------------------------- 3.5 halving-doubling
+def _worker_halving_doubling(rank, world_size):
+    algos = load(PHASE, "allreduce_algorithms")
+    for shape, dtype, op, inputs, expected in _cases(world_size):
+        what = f"rank {rank}, halving_doubling_allreduce, shape {shape}, {dtype}, op {op}"
+        builtin = inputs[rank].clone()
+        dist.all_reduce(builtin)
+        if op == "avg":
+            builtin /= world_size
+        mine = inputs[rank].t().clone().t() if not inputs[rank].is_contiguous() else inputs[rank].clone()
+        ledger = CommLedger()
+        with ledger:
+            out = algos.halving_doubling_allreduce(mine, op=op)
+        assert out is mine, f"{what}: must work in place and return its argument"
+        assert_tensors_close(mine, expected, f"{what} vs single-process sum")  # reordered sums: dtype rounding
+        assert_tensors_close(mine, builtin, f"{what} vs dist.all_reduce")
+        _check_p2p_only(ledger, what)
+        n, es = expected.numel(), expected.element_size()
+        p = 1 << (world_size.bit_length() - 1)
+        if p == world_size and n % world_size == 0:  # the textbook figure, exact
+            assert ledger.sent_bytes() == 2 * (world_size - 1) * n * es // world_size, \
+                f"{what}: sent {ledger.sent_bytes()} B, expected 2(W-1)/W * {n * es} B"
+            # log2(W) exchanges each way: 2 log2(W) sends (empty blocks aside)
+            assert ledger.calls("isend") + ledger.calls("send") <= 2 * (world_size.bit_length() - 1), what
+        elif rank >= p:  # an extra rank of a non-power-of-two world: N out, N back
+            assert ledger.sent_bytes() == n * es, f"{what}: extra rank sent {ledger.sent_bytes()} B, expected {n * es}"
+        ref = mine.clone()
+        dist.broadcast(ref, src=0)
+        assert torch.equal(mine, ref), f"{what}: rank {rank} differs from rank 0 (all ranks must agree bitwise)"
+
+
+@pytest.mark.exercise("3.5 recursive halving-doubling")
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_halving_doubling_matches_builtin_and_single_process(world_size):
+    run_distributed(_worker_halving_doubling, world_size)
+
+
+# --------------------------------------------------------------------------- 3.6 hierarchical
+def _worker_hierarchical(rank, world_size, ranks_per_node):
+    algos = load(PHASE, "allreduce_algorithms")
+    groups = algos.make_node_groups(ranks_per_node)
+    node_size = min(ranks_per_node, world_size - groups.node * ranks_per_node)
+    num_nodes = -(-world_size // ranks_per_node)
+    assert (groups.node, groups.local_rank) == divmod(rank, ranks_per_node), f"rank {rank}: {groups}"
+    for shape, dtype, op, inputs, expected in _cases(world_size):
+        what = f"rank {rank}, hierarchical_allreduce({ranks_per_node} ranks/node), shape {shape}, {dtype}, op {op}"
+        builtin = inputs[rank].clone()
+        dist.all_reduce(builtin)
+        if op == "avg":
+            builtin /= world_size
+        mine = inputs[rank].t().clone().t() if not inputs[rank].is_contiguous() else inputs[rank].clone()
+        ledger = CommLedger()
+        with ledger:
+            out = algos.hierarchical_allreduce(mine, groups, op=op)
+        assert out is mine, f"{what}: must work in place and return its argument"
+        assert_tensors_close(mine, expected, f"{what} vs single-process sum")  # reordered sums: dtype rounding
+        assert_tensors_close(mine, builtin, f"{what} vs dist.all_reduce")
+        # Only leaders cross nodes: one all-reduce among the num_nodes leaders, nothing
+        # world-wide; everyone else talks inside its node only.
+        across = [r for r in ledger.records if r.group_size != node_size or r.op == "all_reduce"]
+        if groups.is_leader:
+            assert [(r.op, r.group_size) for r in across] == [("all_reduce", num_nodes)], \
+                f"{what}: a leader must make exactly one all-reduce among the {num_nodes} leaders, saw {ledger.summary()}"
+        else:
+            assert not across, f"{what}: a non-leader must only talk inside its node, saw {ledger.summary()}"
+        ref = mine.clone()
+        dist.broadcast(ref, src=0)
+        assert torch.equal(mine, ref), f"{what}: rank {rank} differs from rank 0 (all ranks must agree bitwise)"
+
+
+@pytest.mark.exercise("3.6 hierarchical all-reduce")
+@pytest.mark.parametrize("world_size,ranks_per_node", [(1, 1), (2, 1), (2, 2), (3, 2), (4, 2), (4, 3)])
+def test_hierarchical_allreduce_matches_builtin_and_single_process(world_size, ranks_per_node):
+    run_distributed(_worker_hierarchical, world_size, ranks_per_node)

@@ -173,6 +173,9 @@ def ring_allreduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGro
 
 
 # --------------------------------------------------------------------------- pipelined
+_RS, _AG = 0, 1  # message tags: reduce-scatter and all-gather slices never match each other
+
+
 def _slices(start: int, end: int, per_slice: int) -> list[tuple[int, int]]:
     return [(s, min(s + per_slice, end)) for s in range(start, end, per_slice)]
 
@@ -200,43 +203,47 @@ def ring_allreduce_pipelined(tensor: torch.Tensor, op: str = "sum", group: dist.
         bounds = chunk_bounds(flat.numel(), world_size)
         per = max(1, slice_bytes // flat.element_size())
         right, left = (rank + 1) % world_size, (rank - 1) % world_size
-        sends = []
+        sends = []  # waited for at the very end: a sent slice is never written again
 
-        def send(lo: int, hi: int) -> None:
-            sends.append(dist.isend(flat[lo:hi], group=group, group_dst=right))
+        def send(lo: int, hi: int, tag: int) -> None:
+            sends.append(dist.isend(flat[lo:hi], group=group, group_dst=right, tag=tag))
 
         def post_rs_recvs(step: int, buf: torch.Tensor) -> list:
             c0, c1 = bounds[(rank - step - 2) % world_size]
-            return [(lo, hi, dist.irecv(buf[lo - c0:hi - c0], group=group, group_src=left))
+            return [(lo, hi, dist.irecv(buf[lo - c0:hi - c0], group=group, group_src=left, tag=_RS))
                     for lo, hi in _slices(c0, c1, per)]
 
+        # gloo moves data only once both ends have posted (a rendezvous per message), so
+        # receives are posted early. All-gather receives land in place, and only after
+        # this rank has sent that region on (causality), so they are all posted now;
+        # a separate tag keeps them from matching reduce-scatter messages.
+        gathers = [(step, lo, hi, dist.irecv(flat[lo:hi], group=group, group_src=left, tag=_AG))
+                   for step in range(world_size - 1)
+                   for lo, hi in _slices(*bounds[(rank - step - 1) % world_size], per)]
         # --- reduce-scatter: step 0 sends our own chunk r-1 whole (in slices).
         buffers = [torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype, device=flat.device)
                    for _ in range(min(2, world_size - 1))]
         for lo, hi in _slices(*bounds[(rank - 1) % world_size], per):
-            send(lo, hi)
+            send(lo, hi, _RS)
         pending = post_rs_recvs(0, buffers[0])
         for step in range(world_size - 1):
-            # Post next step's receives now, so its slices can land while we add this step's.
-            upcoming = post_rs_recvs(step + 1, buffers[(step + 1) % 2]) if step < world_size - 2 else []
+            last = step == world_size - 2
+            # Post next step's receives now, so its slices land while we add this step's.
+            upcoming = [] if last else post_rs_recvs(step + 1, buffers[(step + 1) % 2])
             c0 = bounds[(rank - step - 2) % world_size][0]
             buf = buffers[step % 2]
             for lo, hi, work in pending:
                 work.wait()
                 flat[lo:hi] += buf[lo - c0:hi - c0]
-                if step == world_size - 2 and op == "avg":
+                if last and op == "avg":
                     flat[lo:hi] /= world_size  # this slice of chunk r is final
-                send(lo, hi)  # next reduce-scatter step, or (last step) all-gather step 0
+                send(lo, hi, _AG if last else _RS)  # next step's data; all-gather step 0 when final
             pending = upcoming
-        # --- all-gather: receive in place, forward each slice except in the last step.
-        gathers = []
-        for step in range(world_size - 1):
-            for lo, hi in _slices(*bounds[(rank - step - 1) % world_size], per):
-                gathers.append((step, lo, hi, dist.irecv(flat[lo:hi], group=group, group_src=left)))
+        # --- all-gather: forward each slice as it lands, except in the last step.
         for step, lo, hi, work in gathers:
             work.wait()
             if step < world_size - 2:
-                send(lo, hi)
+                send(lo, hi, _AG)
         for work in sends:
             work.wait()
     elif op == "avg":
