@@ -17,6 +17,7 @@ set -euo pipefail
 
 # mode -> module run with `torchrun -m` (one line each; tests parse this table)
 declare -A MODES=(
+  [mixed_precision]=solutions.phase2_advanced.mixed_precision
   [fault_tolerance]=solutions.phase4_production.fault_tolerance
   [ring_allreduce]=solutions.phase3_multi_node.ring_allreduce
   [tensor_parallel]=solutions.phase2_advanced.tensor_parallel

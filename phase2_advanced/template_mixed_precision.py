@@ -1,0 +1,265 @@
+"""Mixed precision: low-precision compute, fp32 master weights, a dynamic loss scaler.
+
+Matrix multiplies run in bf16 or fp16 (``torch.autocast`` casts each op's inputs),
+while the parameters, their gradients and the optimizer stay in fp32: the *master
+weights*. An update of 1e-4 to a weight of 1.0 survives in fp32 but vanishes in
+bf16 (8 bits of mantissa: 1 + 2^-9 rounds to 1).
+
+fp16 has 10 bits of mantissa but only 5 of exponent: gradients below ~6e-8 flush
+to zero. The loss scaler multiplies the loss by S (say 2^16) before backward, so
+every gradient is S times larger and stays representable, then divides the fp32
+gradients by S before the step. S is *dynamic*: when a step produces inf/nan
+(overflow), the step is skipped and S halves; after ``growth_interval`` clean steps
+in a row, S doubles. bf16 has fp32's exponent range and rarely needs scaling.
+
+With data parallelism every rank must make the same skip decision, or replicas
+diverge: the scaler all-reduces its found-inf flag (MAX, 4 bytes). After a full
+gradient all-reduce the ranks agree anyway (an inf anywhere spreads through the
+sum), but not when each rank checks different gradients (ZeRO shards, tensor or
+pipeline parallelism), nor when a rank checks before communicating.
+
+Cost per step: the gradient all-reduce in fp32 (|params| x 4 bytes) + 4 bytes for
+the found-inf flag. See phase2_advanced/guidelines.md#mixed-precision.
+
+Run: ``RUN_MODE=mixed_precision ./entrypoint.sh`` (TinyGPT, fp32 vs bf16 vs fp16).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from distlab.todo import todo
+
+
+def _fp32(x: float) -> float:
+    """Round to the nearest float32, as GradScaler keeps its scale in a float32 tensor."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+class DynamicLossScaler:
+    """Scale the loss up, unscale the gradients, skip steps that overflowed, adapt the scale.
+
+    Usage (the same four calls as ``torch.amp.GradScaler``)::
+
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)      # optional: step() calls it if you did not
+        scaler.step(optimizer)          # skipped if any gradient is inf/nan on any rank
+        scaler.update()                 # back off after an overflow, grow after a clean run
+
+    Args:
+        init_scale: the first scale S.
+        growth_factor: S *= growth_factor after ``growth_interval`` clean steps in a row.
+        backoff_factor: S *= backoff_factor after a step with inf/nan.
+        growth_interval: clean steps needed before growing.
+        group: the ranks that must agree on skipping (None: WORLD when initialised).
+
+    Equivalent to: ``torch.amp.GradScaler`` with the same arguments: same scales,
+        same skipped steps, same parameters.
+    Collective: ``unscale_`` (and so ``step``) must be called by every rank of ``group``.
+    Cost: one all-reduce of 4 bytes per step.
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, group: dist.ProcessGroup | None = None) -> None:
+        if init_scale <= 0 or not math.isfinite(init_scale):
+            raise ValueError(f"init_scale must be a positive finite number, got {init_scale}")
+        if growth_factor <= 1.0:
+            raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
+        if growth_interval < 1:
+            raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
+        self.scale_value = _fp32(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.group = group
+        self.growth_tracker = 0           # clean steps in a row since the last change
+        self.found_inf: bool | None = None  # this step's verdict; None until unscale_
+
+    def get_scale(self) -> float:
+        return self.scale_value
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * S``: backward through it makes every gradient S times larger."""
+        return loss * self.scale_value
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by S in place and decide, with every rank, whether to skip.
+
+        Collective: every rank of ``self.group`` must call it (the found-inf all-reduce).
+        """
+        if self.found_inf is not None:
+            raise RuntimeError("unscale_() was already called since the last update()")
+        # GradScaler multiplies by a float32 reciprocal; for powers of two it is exact.
+        inv_scale = _fp32(1.0 / self.scale_value)
+        found = torch.zeros(1)
+        # --- TODO 2.3: unscale the gradients, look for inf/nan, agree with every rank ---
+        # * for every p in every optimizer.param_groups[i]["params"] with a gradient:
+        #   if not torch.isfinite(p.grad).all(), set found to 1; then p.grad.mul_(inv_scale)
+        #   (unscale even when inf is found: the step is skipped anyway, as GradScaler does);
+        # * if dist.is_initialized(): move `found` to _comm_device(self.group) and
+        #   all-reduce it with ReduceOp.MAX over self.group, so one rank's overflow makes
+        #   every rank skip;
+        # * self.found_inf = bool(found.item()).
+        raise todo("2.3 unscale and agree on overflow", "guidelines.md#mixed-precision")
+        # --- end TODO 2.3 ---
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """``optimizer.step()`` unless a gradient overflowed on some rank; returns whether it stepped."""
+        if self.found_inf is None:
+            self.unscale_(optimizer)
+        # --- TODO 2.4a: skip the step when some rank overflowed ---
+        # Return False if self.found_inf; otherwise optimizer.step() and return True.
+        raise todo("2.4 skip, back off, grow", "guidelines.md#mixed-precision")
+        # --- end TODO 2.4a ---
+
+    def update(self) -> None:
+        """Back off after an overflow, grow after ``growth_interval`` clean steps; start a new step."""
+        if self.found_inf is None:
+            raise RuntimeError("update() needs a step: call unscale_() or step() first")
+        # --- TODO 2.4b: back off after an overflow, grow after growth_interval clean steps ---
+        # * overflow: scale_value *= backoff_factor, growth_tracker = 0;
+        # * clean step: growth_tracker += 1; when it reaches growth_interval,
+        #   scale_value *= growth_factor (unless that would be inf) and growth_tracker = 0;
+        # * round every new scale with _fp32(...) (GradScaler keeps it in float32);
+        # * finally self.found_inf = None: the next step starts fresh.
+        raise todo("2.4 skip, back off, grow", "guidelines.md#mixed-precision")
+        # --- end TODO 2.4b ---
+
+
+def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
+    """NCCL communicates CUDA tensors only; gloo CPU ones."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def allreduce_gradients_fp32(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Average every gradient over the ranks, summing in fp32 whatever the gradient's dtype.
+
+    Under autocast the gradients of fp32 master weights are already fp32. A model
+    cast to bf16/fp16 has low-precision gradients; they are upcast for the sum.
+    Why not all-reduce bf16 directly (half the bytes)? Measured with torch 2.14:
+    gloo accepts bf16 and fp16 for all_reduce (SUM, AVG, MAX) but adds in that dtype:
+    [256, 0.75, 0.75, -256] on 4 ranks summed to 0, 0.75, 1.5, 1.75 or 2 depending
+    on the rank order and the element (exact: 1.5). NCCL also reduces bf16 in bf16.
+
+    Equivalent to: Phase 1's ``allreduce_gradients``.
+    Collective: every rank of ``group`` must call it.
+    Cost: |params| x 4 bytes per step (fp32), not x 2.
+    """
+    world_size = dist.get_world_size(group)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        # --- TODO 2.5a: all-reduce p.grad in fp32 and average ---
+        # grad = p.grad if it is already float32, else p.grad.float() (a copy); all-reduce
+        # (SUM) it over `group`, divide by world_size, and copy it back into p.grad if it
+        # was a copy.
+        raise todo("2.5 mixed-precision data-parallel step", "guidelines.md#mixed-precision")
+        # --- end TODO 2.5a ---
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler,
+               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+               inputs: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+               group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, bool]:
+    """One mixed-precision data-parallel step on this rank's shard.
+
+    Args:
+        model: an fp32 replica (its parameters are the master weights).
+        scaler: a ``DynamicLossScaler`` or a ``torch.amp.GradScaler`` (same four calls).
+        dtype: the autocast compute dtype (bf16 or fp16; fp16 on CPU needs torch >= 2.1);
+            float32 turns autocast off (the fp32 reference).
+
+    Returns:
+        (the local loss, detached; whether the optimizer stepped).
+
+    Equivalent to: single-process autocast + GradScaler on the global batch, up to
+        the rounding of low-precision sums over a shard instead of the whole batch.
+    Collective: every rank must call it.
+    Cost: |params| x 4 bytes (fp32 gradient all-reduce) + the scaler's 4 bytes.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    # --- TODO 2.5b: autocast forward, scaled backward, fp32 all-reduce, scaler step ---
+    # * forward and loss inside torch.autocast(device_type=inputs.device.type,
+    #   dtype=dtype, enabled=dtype != torch.float32); backward OUTSIDE it, on
+    #   scaler.scale(loss);
+    # * allreduce_gradients_fp32(model, group) (before unscaling is fine: the sum is linear);
+    # * scale = scaler.get_scale() (needed below), then scaler.step(optimizer), scaler.update().
+    raise todo("2.5 mixed-precision data-parallel step", "guidelines.md#mixed-precision")
+    # --- end TODO 2.5b ---
+    # The scale backs off exactly when the step was skipped (GradScaler.step returns
+    # None either way, so ask the scale).
+    return loss.detach(), scaler.get_scale() >= scale
+
+
+# --------------------------------------------------------------------------- demo
+def main(argv: list[str] | None = None) -> None:
+    from distlab.comm import CommLedger
+    from distlab.data import synthetic_tokens
+    from distlab.launch import init_from_env, shutdown
+    from distlab.metrics import format_bytes, format_table, log0, progress
+    from distlab.models import GPTConfig, TinyGPT
+    from distlab.testing import shard
+
+    parser = argparse.ArgumentParser(description="Mixed-precision data-parallel TinyGPT: fp32 vs bf16 vs fp16.")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--dtypes", default="float32,bfloat16,float16")
+    args = parser.parse_args(argv)
+    env = init_from_env()
+    try:
+        if args.global_batch % env.world_size:
+            raise ValueError(f"--global-batch {args.global_batch} is not divisible by the world size {env.world_size}")
+        cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64)
+        data = synthetic_tokens(n_seq=args.steps * args.global_batch, seq_len=32, vocab_size=64, seed=0)
+
+        def lm_loss(logits, targets):
+            return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+        rows = []
+        for name in args.dtypes.split(","):
+            dtype = getattr(torch, name)
+            torch.manual_seed(0)  # same initial weights on every rank and for every dtype
+            model = TinyGPT(cfg).to(env.device)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+            # fp16 needs the scaler. Its first scale is deliberately too large (the
+            # gradient of the logits, S / (B*T), overflows fp16's 65504): watch it back off.
+            # fp32 and bf16 have fp32's exponent range: S = 1, never grown.
+            fp16 = dtype == torch.float16
+            scaler = DynamicLossScaler(init_scale=2.0 ** 20 if fp16 else 1.0, growth_interval=20 if fp16 else 10 ** 9)
+            skipped, ledger = 0, CommLedger()
+            start = time.perf_counter()
+            for step in progress(range(args.steps), desc=name):
+                x, y = (shard(t[step * args.global_batch:(step + 1) * args.global_batch], env.rank,
+                              env.world_size).to(env.device) for t in data.tensors)
+                with ledger:
+                    loss, stepped = train_step(model, optimizer, scaler, lm_loss, x, y, dtype=dtype)
+                skipped += not stepped
+            elapsed = time.perf_counter() - start
+            dist.all_reduce(loss)
+            final = loss.item() / env.world_size
+            reference = reference if rows else final
+            rows.append({"compute dtype": name, "final loss": f"{final:.4f}", "vs float32": f"{final - reference:+.1e}",
+                         "skipped steps": skipped, "final scale": f"{scaler.get_scale():g}",
+                         "bytes all-reduced/step": format_bytes(ledger.bytes("all_reduce") / args.steps),
+                         "master weights": str(next(model.parameters()).dtype).replace("torch.", ""),
+                         "ms/step": f"{1000 * elapsed / args.steps:.0f}"})
+        log0(f"\nTinyGPT ({sum(p.numel() for p in model.parameters())} params), {env.world_size} ranks "
+             f"({env.backend}), global batch {args.global_batch}, {args.steps} steps; chance loss {math.log(64):.2f}")
+        log0(format_table(rows))
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    main()
