@@ -17,6 +17,8 @@ set -euo pipefail
 
 # mode -> module run with `torchrun -m` (one line each; tests parse this table)
 declare -A MODES=(
+  [pipeline_1f1b]=solutions.phase2_advanced.pipeline
+  [pipeline_gpipe]=solutions.phase2_advanced.pipeline
   [mixed_precision]=solutions.phase2_advanced.mixed_precision
   [fault_tolerance]=solutions.phase4_production.fault_tolerance
   [ring_allreduce]=solutions.phase3_multi_node.ring_allreduce

@@ -293,3 +293,87 @@ def _worker_parallel_gpt(rank, world_size):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_parallel_gpt_matches_tinygpt(world_size):
     run_distributed(_worker_parallel_gpt, world_size)
+
+
+# =========================================================================== 2.12-2.13 pipeline
+HIDDEN, IN_FEATURES, CLASSES, MB_SIZE = 8, 5, 3, 2
+
+
+def _pipeline_stages(num_stages: int, seed: int = 0) -> list[nn.Sequential]:
+    """One seeded MLP of 2 blocks per stage (+ a head on the last), cut into stages."""
+    torch.manual_seed(seed)
+    blocks = [nn.Sequential(nn.Linear(IN_FEATURES if i == 0 else HIDDEN, HIDDEN), nn.Tanh())
+              for i in range(2 * num_stages)]
+    head = nn.Linear(HIDDEN, CLASSES)
+    stages = [nn.Sequential(*blocks[2 * s:2 * s + 2]) for s in range(num_stages)]
+    stages[-1].append(head)
+    return [s.double() for s in stages]
+
+
+def _worker_pipeline(rank, world_size, schedule):
+    pp = load(PHASE, "pipeline")
+    p = world_size
+    for m in sorted({p, p + 1, 2 * p}):  # micro-batches >= stages; p + 1 is not a multiple of p
+        reference = _pipeline_stages(p)
+        full = nn.Sequential(*reference)
+        mine = _pipeline_stages(p)[rank]
+        stage = pp.PipelineStage(mine, (MB_SIZE, HIDDEN), dtype=torch.float64)
+        opt_ref = torch.optim.SGD(full.parameters(), lr=0.1, momentum=0.9)
+        opt = torch.optim.SGD(mine.parameters(), lr=0.1, momentum=0.9)
+        for step in range(2):
+            x = _randn(m * MB_SIZE, IN_FEATURES, seed=200 + step)
+            y = torch.randint(CLASSES, (m * MB_SIZE,), generator=torch.Generator().manual_seed(300 + step))
+            opt_ref.zero_grad()
+            loss_ref = F.cross_entropy(full(x), y)
+            loss_ref.backward()
+            ledger = CommLedger()
+            with ledger:
+                loss = pp.train_step(stage, opt, schedule, x if rank == 0 else None,
+                                     y if rank == p - 1 else None, F.cross_entropy, m)
+            what = f"rank {rank} (stage {rank} of {p}), {schedule}, m={m}, step {step}"
+            if rank == p - 1:
+                assert loss is not None and abs(loss - loss_ref.item()) < 1e-12, \
+                    f"{what}: loss {loss} != single-process {loss_ref.item()} (mean over micro-batches?)"
+            # Gradients: the sum over micro-batches of loss/m is the batch mean's gradient.
+            for (name, a), b in zip(mine.named_parameters(), reference[rank].parameters()):
+                assert_tensors_close(a.grad, b.grad, f"{what}, gradient of stage parameter {name}", **TOL)
+            opt_ref.step()
+            for (name, a), b in zip(mine.named_parameters(), reference[rank].parameters()):
+                assert_tensors_close(a, b, f"{what}, stage parameter {name} after SGD", **TOL)
+            # Point-to-point volume: one activation per micro-batch forward, one gradient backward.
+            act = MB_SIZE * HIDDEN * 8
+            sent = m * act * ((rank < p - 1) + (rank > 0))
+            assert ledger.sent_bytes() == sent and ledger.received_bytes() == sent, \
+                f"{what}: sent {ledger.sent_bytes()} B / received {ledger.received_bytes()} B, expected {sent} each " \
+                f"({m} micro-batches x {act} B per neighbour)"
+            assert set(ledger.summary()) <= {"send", "isend", "recv", "irecv"}, f"{what}: {ledger.summary()}"
+        # Memory: activations in flight (forward done, backward not yet) at the peak.
+        expected_peak = m if schedule == "gpipe" else min(p - rank, m)
+        assert stage.peak_in_flight == expected_peak, \
+            f"rank {rank}, {schedule}, p={p}, m={m}: peak {stage.peak_in_flight} micro-batches in flight, " \
+            f"expected {expected_peak}" + (" (1F1B holds at most p - stage)" if schedule == "1f1b" else "")
+        kinds = [e[3] for e in stage.events]
+        assert kinds.count("F") == kinds.count("B") == m, f"rank {rank}: timeline has {kinds.count('F')} F and " \
+                                                          f"{kinds.count('B')} B events in the last step, expected {m}"
+
+
+@pytest.mark.exercise("2.12 GPipe schedule")
+@pytest.mark.parametrize("stages", WORLD_SIZES)
+def test_gpipe_matches_single_process(stages):
+    run_distributed(_worker_pipeline, stages, "gpipe")
+
+
+@pytest.mark.exercise("2.13 1F1B schedule")
+@pytest.mark.parametrize("stages", WORLD_SIZES)
+def test_1f1b_matches_single_process(stages):
+    run_distributed(_worker_pipeline, stages, "1f1b")
+
+
+@pytest.mark.exercise("2.12 GPipe schedule")
+@pytest.mark.scaffold
+def test_split_microbatches_rejects_uneven_batch():
+    pp = load(PHASE, "pipeline")
+    with pytest.raises(ValueError, match="batch 10 is not divisible into 4 equal micro-batches"):
+        pp.split_microbatches(torch.zeros(10, 2), 4)
+    assert [t.shape[0] for t in pp.split_microbatches(torch.zeros(12, 2), 4)] == [3, 3, 3, 3]
+    assert pp.theoretical_bubble(4, 12) == 3 / 15

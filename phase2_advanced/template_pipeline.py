@@ -1,0 +1,282 @@
+"""Pipeline parallelism: GPipe and 1F1B schedules, built from send and recv.
+
+The model is cut into p consecutive stages, one per rank; the batch into m equal
+micro-batches. A stage runs forward on micro-batch i as soon as the previous stage
+sends its activation, and backward as soon as the next stage sends the gradient of
+that activation. The schedule decides the order on each stage:
+
+* GPipe (Huang et al. 2019): all m forwards, then all m backwards. Simple, but every
+  stage holds the activations of all m micro-batches at the peak.
+* 1F1B (PipeDream-Flush, Narayanan et al. 2021): stage s runs p-s-1 warm-up forwards,
+  then alternates one forward, one backward, then drains the remaining backwards.
+  Same bubble as GPipe, but at most p-s micro-batches are in flight on stage s.
+
+Both leave every stage idle for (p-1) forward+backward slots per step, the bubble:
+(p-1)/(m+p-1) of the step when forward and backward times are equal per stage.
+The loss of each micro-batch is divided by m, so the gradients that accumulate are
+those of the mean loss over the whole batch: the step equals single-process training.
+
+Cost per step, per stage boundary: m activations sent forward and m activation
+gradients sent backward (micro-batch size x hidden x bytes each).
+See phase2_advanced/guidelines_model_parallel.md#pipeline-parallelism.
+
+Run: ``RUN_MODE=pipeline_gpipe ./entrypoint.sh`` or ``RUN_MODE=pipeline_1f1b ./entrypoint.sh``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from distlab.todo import todo
+
+FORWARD_TAG, BACKWARD_TAG = 0, 1  # activations and gradients travel on separate channels
+
+
+def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch.Tensor]:
+    """``batch`` cut into ``num_microbatches`` equal micro-batches along dim 0."""
+    if num_microbatches < 1 or batch.shape[0] % num_microbatches:
+        raise ValueError(f"batch {batch.shape[0]} is not divisible into {num_microbatches} equal micro-batches "
+                         f"({batch.shape[0]} % {num_microbatches} = {batch.shape[0] % max(num_microbatches, 1)})")
+    return list(batch.chunk(num_microbatches))
+
+
+def theoretical_bubble(num_stages: int, num_microbatches: int) -> float:
+    """(p-1)/(m+p-1): the idle share of a step with equal forward and backward times per stage."""
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def measured_bubble(events: list[tuple], num_stages: int) -> float:
+    """Idle share of one step from every stage's events: 1 - (F + B time) / (p x makespan)."""
+    busy = sum(end - start for _, start, end, kind, _ in events if kind in ("F", "B"))
+    span = max(e[2] for e in events) - min(e[1] for e in events)
+    return 1.0 - busy / (num_stages * span)
+
+
+# --------------------------------------------------------------------------- the stage
+class PipelineStage:
+    """One rank's consecutive layers, its links to the neighbouring stages, and its timeline.
+
+    Args:
+        module: this stage's layers.
+        recv_shape: shape of the micro-batch activation this stage receives (unused on stage 0).
+        group: the pipeline's ranks, in stage order (stage = group rank).
+    """
+
+    def __init__(self, module: nn.Module, recv_shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
+                 group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> None:
+        self.module, self.recv_shape, self.dtype, self.group = module, tuple(recv_shape), dtype, group
+        self.device = device or torch.device("cpu")
+        self.stage_id, self.num_stages = dist.get_rank(group), dist.get_world_size(group)
+        self.in_flight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> (input, output or loss)
+        self.peak_in_flight = 0
+        self.losses: list[torch.Tensor] = []  # last stage: each micro-batch's loss / m
+        self.events: list[tuple] = []  # (stage, start_s, end_s, kind, label) for plot_timeline
+        self._sends: list = []
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_id == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def _peer(self, stage: int) -> int:
+        return stage if self.group is None else dist.get_global_rank(self.group, stage)
+
+    def _recv(self, stage: int, tag: int, shape: tuple[int, ...]) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+        start = time.perf_counter()
+        dist.recv(buf, src=self._peer(stage), group=self.group, tag=tag)
+        self.events.append((self.stage_id, start, time.perf_counter(), "wait", ""))
+        return buf
+
+    def _send(self, t: torch.Tensor, stage: int, tag: int) -> None:
+        # Asynchronous: a stage never blocks on its own send, so two neighbours sending
+        # to each other at once (1F1B's steady state) cannot deadlock.
+        self._sends.append(dist.isend(t.contiguous(), dst=self._peer(stage), group=self.group, tag=tag))
+
+    def forward_step(self, mb: int, x: torch.Tensor | None, target: torch.Tensor | None,
+                     loss_fn: Callable, num_microbatches: int) -> None:
+        """Forward of micro-batch ``mb``: receive (or take ``x``), compute, send (or compute the loss / m)."""
+        inp = x if self.is_first else self._recv(self.stage_id - 1, FORWARD_TAG, self.recv_shape).requires_grad_()
+        start = time.perf_counter()
+        out = self.module(inp)
+        if self.is_last:
+            out = loss_fn(out, target) / num_microbatches  # the mean over micro-batches
+            self.losses.append(out.detach())
+        self.events.append((self.stage_id, start, time.perf_counter(), "F", mb))
+        if not self.is_last:
+            self._send(out.detach(), self.stage_id + 1, FORWARD_TAG)
+        self.in_flight[mb] = (inp, out)
+        self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
+
+    def backward_step(self, mb: int) -> None:
+        """Backward of micro-batch ``mb``: receive dL/d(output), backward, send dL/d(input)."""
+        inp, out = self.in_flight.pop(mb)  # frees this micro-batch's activations afterwards
+        grad = None if self.is_last else self._recv(self.stage_id + 1, BACKWARD_TAG, out.shape)
+        start = time.perf_counter()
+        torch.autograd.backward(out, grad)
+        self.events.append((self.stage_id, start, time.perf_counter(), "B", mb))
+        if not self.is_first:
+            self._send(inp.grad, self.stage_id - 1, BACKWARD_TAG)
+
+    def finish(self) -> None:
+        """Wait for every outstanding send (their buffers must live until then)."""
+        for work in self._sends:
+            work.wait()
+        self._sends.clear()
+
+
+# --------------------------------------------------------------------------- schedules
+def gpipe(stage: PipelineStage, inputs: list, targets: list, loss_fn: Callable) -> None:
+    """All forwards, then all backwards (GPipe). Peak: all m micro-batches in flight.
+
+    Args:
+        inputs: the m micro-batches (read on stage 0 only, None elsewhere);
+        targets: their targets (read on the last stage only, None elsewhere).
+    Equivalent to: forward and backward of the whole batch with the mean loss.
+    Collective: every stage of ``stage.group`` must run the same schedule with the same m.
+    Cost: per stage boundary, m activations forward and m gradients backward.
+    """
+    # --- TODO 2.12: GPipe: all forwards, then all backwards ---
+    # m = len(inputs); stage.forward_step(i, inputs[i], targets[i], loss_fn, m) for
+    # every micro-batch, then stage.backward_step(i) for every micro-batch, then
+    # stage.finish() (waits for the outstanding sends).
+    raise todo("2.12 GPipe schedule", "phase2_advanced/guidelines_model_parallel.md#gpipe")
+    # --- end TODO 2.12 ---
+
+
+def one_f_one_b(stage: PipelineStage, inputs: list, targets: list, loss_fn: Callable) -> None:
+    """1F1B: p-s-1 warm-up forwards, then one forward / one backward, then the remaining backwards.
+
+    Peak: min(p - s, m) micro-batches in flight on stage s (at most p).
+    Equivalent to / Collective / Cost: as ``gpipe``.
+    """
+    # --- TODO 2.13: 1F1B: warm-up, steady state, cool-down ---
+    # 1. warm-up: stage s runs min(p - s - 1, m) forwards (p = stage.num_stages,
+    #    s = stage.stage_id): the last stage none, the first p - 1;
+    # 2. steady state: for each remaining micro-batch, one forward (the next one),
+    #    then one backward (the oldest one in flight);
+    # 3. cool-down: the backwards still in flight, oldest first; then stage.finish().
+    raise todo("2.13 1F1B schedule", "phase2_advanced/guidelines_model_parallel.md#1f1b")
+    # --- end TODO 2.13 ---
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def train_step(stage: PipelineStage, optimizer: torch.optim.Optimizer, schedule: str,
+               x: torch.Tensor | None, y: torch.Tensor | None, loss_fn: Callable,
+               num_microbatches: int) -> float | None:
+    """One optimizer step of the pipeline; returns the batch's mean loss on the last stage, else None.
+
+    Args:
+        x, y: the whole batch's inputs (read on stage 0) and targets (read on the last stage).
+        num_microbatches: m; the batch must divide into m equal micro-batches.
+    Equivalent to: one step of single-process training on the whole batch (mean loss).
+    Collective: every stage of ``stage.group`` calls it with the same schedule and m.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    none = [None] * num_microbatches
+    inputs = split_microbatches(x, num_microbatches) if stage.is_first else none
+    targets = split_microbatches(y, num_microbatches) if stage.is_last else none
+    optimizer.zero_grad(set_to_none=True)
+    stage.losses.clear()
+    stage.events.clear()  # the timeline of this step only
+    SCHEDULES[schedule](stage, inputs, targets, loss_fn)
+    optimizer.step()
+    return sum(stage.losses).item() if stage.is_last else None
+
+
+# --------------------------------------------------------------------------- demo
+def build_stage_module(stage_id: int, num_stages: int, in_features: int, hidden: int, num_classes: int,
+                       layers_per_stage: int, seed: int = 0) -> nn.Sequential:
+    """Stage ``stage_id``'s slice of one seeded MLP of ``num_stages * layers_per_stage`` blocks."""
+    torch.manual_seed(seed)  # every rank builds the whole model, so the stages fit together
+    layers: list[nn.Module] = [nn.Linear(in_features, hidden)]
+    for _ in range(num_stages * layers_per_stage):
+        layers += [nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())]
+    layers.append(nn.Linear(hidden, num_classes))
+    body = layers[1:-1]
+    mine = body[stage_id * layers_per_stage:(stage_id + 1) * layers_per_stage]
+    if stage_id == 0:
+        mine = [layers[0], *mine]
+    if stage_id == num_stages - 1:
+        mine = [*mine, layers[-1]]
+    return nn.Sequential(*mine)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from distlab.comm import CommLedger
+    from distlab.data import digits
+    from distlab.launch import init_from_env, shutdown
+    from distlab.metrics import format_bytes, format_table, log0, progress
+    from distlab.plots import plot_timeline
+
+    default = os.environ.get("RUN_MODE", "pipeline_1f1b").removeprefix("pipeline_")
+    parser = argparse.ArgumentParser(description="Pipeline-parallel MLP on digits, GPipe or 1F1B.")
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default=default if default in SCHEDULES else "1f1b")
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers-per-stage", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--out-dir", default="runs")
+    args = parser.parse_args(argv)
+    env = init_from_env()
+    try:
+        p, m = env.world_size, args.microbatches
+        if m < p:
+            raise ValueError(f"--microbatches {m} < {p} stages: the pipeline would never fill")
+        data = digits("train", flatten=True)
+        x_all, y_all = data.tensors
+        module = build_stage_module(env.rank, p, x_all.shape[1], args.hidden, 10, args.layers_per_stage)
+        stage = PipelineStage(module, (args.batch // m, args.hidden), group=None, device=env.device)
+        opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+        loss_fn = nn.CrossEntropyLoss()
+        steps = x_all.shape[0] // args.batch
+        log0(f"pipeline ({args.schedule}): {p} stages, {m} micro-batches of {args.batch // m}, "
+             f"{steps} steps/epoch")
+        ledger, loss, bubbles = CommLedger(), None, []
+        for epoch in range(args.epochs):
+            perm = torch.randperm(x_all.shape[0], generator=torch.Generator().manual_seed(epoch))
+            for i in progress(range(steps), desc=f"epoch {epoch}"):
+                idx = perm[i * args.batch:(i + 1) * args.batch]
+                dist.barrier()  # a common start, so the timeline shows the bubble, not skew
+                with ledger:
+                    loss = train_step(stage, opt, args.schedule, x_all[idx].to(env.device),
+                                      y_all[idx].to(env.device), loss_fn, m)
+                ledger_step = ledger.sent_bytes()
+                ledger.reset()
+                events = [None] * p
+                dist.all_gather_object(events, stage.events)
+                bubbles.append(measured_bubble([e for evs in events for e in evs], p))
+        all_events = [e for evs in events for e in evs]
+        peaks = [None] * p
+        dist.all_gather_object(peaks, stage.peak_in_flight)
+        last_loss = [loss]
+        dist.broadcast_object_list(last_loss, src=p - 1)
+        if env.is_main:
+            path = plot_timeline(all_events, os.path.join(args.out_dir, f"pipeline_{args.schedule}_timeline.png"),
+                                 title=f"{args.schedule}: {p} stages, {m} micro-batches (last step)")
+            bubbles.sort()
+            print("\n" + format_table([{
+                "schedule": args.schedule, "stages": p, "micro-batches": m, "final loss": f"{last_loss[0]:.4f}",
+                "bubble (measured, median)": f"{bubbles[len(bubbles) // 2]:.1%}",
+                "bubble (theory)": f"{theoretical_bubble(p, m):.1%}",
+                "peak in flight per stage": peaks, "p2p sent/step (rank 0)": format_bytes(ledger_step)}]))
+            print(f"timeline: {path}")
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    main()
