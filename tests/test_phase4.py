@@ -387,3 +387,187 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
         assert torch.equal(final[name], torch.tensor(value, dtype=final[name].dtype)), \
             f"{what}: parameter {name} differs from the uninterrupted run by " \
             f"{(final[name] - torch.tensor(value, dtype=final[name].dtype)).abs().max().item():.3e}"
+
+
+# --------------------------------------------------------------------------- 4.8-4.10 compression hooks
+def _rank_grad(rank, step, n, dtype=torch.float64):
+    return torch.randn(n, generator=torch.Generator().manual_seed(1000 * step + rank), dtype=dtype)
+
+
+def _bucket(comp, buffer, shapes, index=0):
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=buffer.dtype)) for s in shapes]
+    return comp.SimpleBucket(index, buffer, params)
+
+
+def _worker_cast(rank, world_size):
+    from distlab.comm import CommLedger
+    comp = load(PHASE, "compression")
+    for name, dtype in (("fp16_compress_hook", torch.float16), ("bf16_compress_hook", torch.bfloat16)):
+        hook = getattr(comp, name)
+        for n in (1, 7, 100):
+            inputs = [_rank_grad(r, 0, n, torch.float32) for r in range(world_size)]
+            expected = torch.stack([t.double() for t in inputs]).mean(0)
+            buffer = inputs[rank].clone()
+            ledger = CommLedger()
+            with ledger:
+                out = hook(None, _bucket(comp, buffer, [(n,)])).wait()
+            what = f"rank {rank}, {name}, n={n}"
+            assert out.dtype == torch.float32 and out.data_ptr() == buffer.data_ptr(), \
+                f"{what}: the future must hold the bucket's own float32 buffer"
+            # Each of W terms is rounded to the half type (2^-11 relative for fp16, 2^-8 for
+            # bf16) and so is their sum: a few ulps; a missing 1/W is off by a factor.
+            tol = 4 * 2.0 ** -11 if dtype == torch.float16 else 4 * 2.0 ** -8
+            assert_tensors_close(out.double(), expected, f"{what} vs float64 mean", rtol=tol, atol=tol)
+            assert ledger.summary() == {"all_reduce": {"calls": 1, "bytes": 2 * n}}, \
+                f"{what}: expected one all_reduce of {2 * n} B, saw {ledger.summary()}"
+        # Exactly representable means (W a power of two, small dyadic values): bitwise exact.
+        if world_size in (2, 4):
+            inputs = [torch.arange(8, dtype=torch.float32) * (r + 1) for r in range(world_size)]
+            buffer = inputs[rank].clone()
+            out = hook(None, _bucket(comp, buffer, [(8,)])).wait()
+            assert torch.equal(out, torch.stack(inputs).mean(0)), f"rank {rank}, {name}: {out} not exact"
+
+
+@pytest.mark.exercise("4.8 fp16/bf16 compression")
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_cast_hooks_match_float64_mean(world_size):
+    run_distributed(_worker_cast, world_size)
+
+
+def _worker_topk(rank, world_size, ratio):
+    from distlab.comm import CommLedger
+    comp = load(PHASE, "compression")
+    n = 23  # ceil(ratio * 23) is never a round number of the buffer
+    k = max(1, -(-int(ratio * 1000) * n // 1000))
+    state = comp.TopKState(ratio=ratio)
+    residuals = [torch.zeros(n, dtype=torch.float64) for _ in range(world_size)]
+    total_grad, total_sent = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    for step in range(4):
+        grads = [_rank_grad(r, step, n) for r in range(world_size)]
+        # The reference: each rank's (grad + residual), its k largest magnitudes kept.
+        sent = []
+        for r in range(world_size):
+            comp_r = grads[r] + residuals[r]
+            keep = comp_r.abs().argsort(descending=True)[:k]
+            s = torch.zeros(n, dtype=torch.float64)
+            s[keep] = comp_r[keep]
+            sent.append(s)
+            residuals[r] = comp_r - s
+        expected = torch.stack(sent).mean(0)
+        buffer = grads[rank].clone()
+        ledger = CommLedger()
+        with ledger:
+            out = comp.topk_hook(state, _bucket(comp, buffer, [(n,)])).wait()
+        what = f"rank {rank}, W={world_size}, ratio {ratio}, step {step}"
+        # Sums of W values in another order: float64 rounding only.
+        assert_tensors_close(out, expected, f"{what}: averaged sparse gradient", rtol=1e-12, atol=1e-12)
+        assert_tensors_close(state.residuals[0], residuals[rank], f"{what}: residual (error feedback)",
+                             rtol=0, atol=0)  # copies and one addition, done the same way: exact
+        assert ledger.calls("all_reduce") == 0 and ledger.bytes() == k * (8 + 4), \
+            f"{what}: expected all-gathers of {k} float64 values + {k} int32 indices = {k * 12} B, saw {ledger.summary()}"
+        total_grad += grads[rank]
+        total_sent += sent[rank]
+    # Error feedback loses nothing: everything not sent yet is in the residual.
+    assert_tensors_close(total_sent + state.residuals[0], total_grad, f"rank {rank}: sent + residual vs sum of grads",
+                         rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.exercise("4.9 top-k with error feedback")
+@pytest.mark.parametrize("ratio", [0.1, 0.5, 1.0])
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_topk_hook_matches_sparse_mean_with_error_feedback(world_size, ratio):
+    run_distributed(_worker_topk, world_size, ratio)
+
+
+def _worker_powersgd(rank, world_size):
+    from distlab.comm import CommLedger
+    comp = load(PHASE, "compression")
+    r, (a, b), v = 2, (9, 7), 5  # a 9x7 matrix (compressed: 2 * 16 < 63) and a bias of 5
+    shapes = [(a, b), (v,)]
+    what = f"rank {rank}, W={world_size}"
+    # 1. A mean of rank-2 matrices is reconstructed exactly by one power iteration.
+    g = torch.Generator().manual_seed(7)
+    left = torch.randn(a, r, generator=g, dtype=torch.float64)
+    rights = [torch.randn(b, r, generator=torch.Generator().manual_seed(10 + w), dtype=torch.float64)
+              for w in range(world_size)]
+    biases = [_rank_grad(w, 0, v) for w in range(world_size)]
+    mats = [left @ rights[w].t() for w in range(world_size)]
+    buffer = torch.cat([mats[rank].reshape(-1), biases[rank]])
+    state = comp.PowerSGDState(rank=r)
+    ledger = CommLedger()
+    with ledger:
+        out = comp.powersgd_hook(state, _bucket(comp, buffer, shapes)).wait()
+    mean_mat, mean_bias = torch.stack(mats).mean(0), torch.stack(biases).mean(0)
+    # QR and two matrix products in float64: ~1e-15 relative.
+    assert_tensors_close(out[:a * b].view(a, b), mean_mat, f"{what}: rank-2 mean reconstructed", rtol=1e-9, atol=1e-9)
+    assert_tensors_close(out[a * b:], mean_bias, f"{what}: bias all-reduced uncompressed", rtol=1e-12, atol=1e-12)
+    expected_bytes = 8 * (r * (a + b) + v)
+    assert ledger.calls("all_reduce") == 3 and ledger.bytes("all_reduce") == expected_bytes, \
+        f"{what}: expected 3 all-reduces of {expected_bytes} B in all (P, Q, bias), saw {ledger.summary()}"
+    # 2. Error feedback: the error is what this rank meant to send minus what all agreed on,
+    #    and it is added to the next gradient.
+    state = comp.PowerSGDState(rank=1)
+    full = [_rank_grad(w, 1, a * b + v) for w in range(world_size)]
+    buffer = full[rank].clone()
+    out = comp.powersgd_hook(state, _bucket(comp, buffer, shapes)).wait().clone()
+    assert_tensors_close(state.errors[0], full[rank] - out, f"{what}: error = compensated - result",
+                         rtol=1e-12, atol=1e-12)
+    errors_sum = state.errors[0].clone()
+    dist.all_reduce(errors_sum)
+    mean_full = torch.stack(full).mean(0)
+    assert_tensors_close(errors_sum / world_size, mean_full - out, f"{what}: mean error = mean - approximation",
+                         rtol=1e-10, atol=1e-10)
+    nxt = _rank_grad(rank, 2, a * b + v)
+    previous_error = state.errors[0].clone()
+    hook_in = nxt.clone()
+    comp.powersgd_hook(state, _bucket(comp, hook_in, shapes)).wait()
+    assert_tensors_close(state.errors[0] + hook_in, nxt + previous_error, f"{what}: the error enters the next step",
+                         rtol=1e-10, atol=1e-10)
+    # 3. Warm start: repeated on one fixed matrix (no error feedback), Q converges and the
+    #    approximation reaches the best rank-2 one (SVD truncation).
+    u, _ = torch.linalg.qr(torch.randn(a, a, generator=g, dtype=torch.float64))
+    w_, _ = torch.linalg.qr(torch.randn(b, b, generator=g, dtype=torch.float64))
+    sv = torch.tensor([10.0, 6.0, 1.0, 0.5, 0.2, 0.1, 0.05], dtype=torch.float64)
+    fixed = u[:, :b] @ torch.diag(sv) @ w_.t()
+    best = torch.sqrt((sv[r:] ** 2).sum()).item()
+    state = comp.PowerSGDState(rank=r, error_feedback=False)
+    for _ in range(15):
+        buffer = torch.cat([fixed.reshape(-1), torch.zeros(v, dtype=torch.float64)])
+        out = comp.powersgd_hook(state, _bucket(comp, buffer, shapes)).wait()
+    err = torch.linalg.norm(out[:a * b].view(a, b) - fixed).item()
+    # Power iteration converges as (s3/s2)^(2 steps) = (1/6)^30: far below 1e-9.
+    assert abs(err - best) < 1e-9 * best, f"{what}: warm-started error {err:.6e} != best rank-2 error {best:.6e}"
+
+
+@pytest.mark.exercise("4.10 PowerSGD")
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_powersgd_hook_matches_low_rank_mean(world_size):
+    run_distributed(_worker_powersgd, world_size)
+
+
+ACCURACY_MARGIN = 0.03  # 3 points of test accuracy on digits (360 images: ~11 images)
+
+
+def _worker_digits(rank, world_size, methods):
+    comp = load(PHASE, "compression")
+    results = {method: comp.train_digits(method, rank, world_size) for method in methods}
+    baseline = comp.train_digits("ddp", rank, world_size)  # torch DDP's own all-reduce, no hook
+    return baseline, results
+
+
+@pytest.mark.parametrize("methods,ratios", [
+    pytest.param(("fp16", "bf16"), (0.5, 0.5), marks=pytest.mark.exercise("4.8 fp16/bf16 compression")),
+    pytest.param(("topk",), (0.2,), marks=pytest.mark.exercise("4.9 top-k with error feedback")),
+    # PowerSGD rank 2: 64x64 -> 2*128, 10x64 -> 2*74, biases 74 as they are: 478 of 4810.
+    pytest.param(("powersgd",), (478 / 4810,), marks=pytest.mark.exercise("4.10 PowerSGD")),
+], ids=["cast", "topk", "powersgd"])
+def test_compressed_digits_matches_uncompressed_accuracy(methods, ratios):
+    baseline, results = run_distributed(_worker_digits, 2, methods, timeout_s=120)[0]
+    fp32_bytes = 4 * 4810  # all 4810 float32 parameters in one bucket
+    for method, ratio in zip(methods, ratios):
+        r = results[method]
+        assert r["bytes_per_step"] == pytest.approx(ratio * fp32_bytes, rel=0.005), \
+            f"{method}: {r['bytes_per_step']:.0f} B/step, expected {ratio:.3f} x {fp32_bytes} B"
+        assert r["accuracy"] >= baseline["accuracy"] - ACCURACY_MARGIN, \
+            f"{method}: test accuracy {r['accuracy']:.3f} vs uncompressed {baseline['accuracy']:.3f} " \
+            f"(margin {ACCURACY_MARGIN})"
