@@ -127,6 +127,32 @@ class CommLedger:
         """Bytes this rank received point-to-point."""
         return sum(r.nbytes for r in self.records if r.op in _RECVS)
 
+    def wire_bytes(self, op: str | None = None) -> float:
+        """Bytes this rank *sends*, counting collectives as bandwidth-optimal (ring) algorithms do.
+
+        With W ranks in the op's group and n its payload (see the module docstring):
+        all_reduce 2(W-1)/W n; reduce_scatter and all_to_all (W-1)/W n; all_gather
+        (W-1) n (n is this rank's input); broadcast, reduce, gather, scatter n;
+        send/isend n; recv/irecv 0 (the sender counts them). Nothing when W = 1.
+        This is what makes strategies comparable: ZeRO-1/2 equal DDP, ZeRO-3 is 1.5x.
+        """
+        total = 0.0
+        for r in self.records:
+            if op is not None and r.op != op:
+                continue
+            w = r.group_size
+            if w == 1 or r.op in _RECVS or r.op == "barrier":
+                continue
+            if r.op == "all_reduce":
+                total += 2 * (w - 1) / w * r.nbytes
+            elif r.op.startswith("reduce_scatter") or r.op.startswith("all_to_all"):
+                total += (w - 1) / w * r.nbytes
+            elif r.op.startswith("all_gather"):
+                total += (w - 1) * r.nbytes
+            else:
+                total += r.nbytes
+        return total
+
     def seconds(self, op: str | None = None) -> float:
         """Wall time spent inside synchronous calls (async calls wait elsewhere)."""
         return sum(r.seconds for r in self.records if op is None or r.op == op)

@@ -164,6 +164,9 @@ def _worker_ledger(rank, world_size):
     received = 40 * (rank == 1) + 16 + 8 * (rank == 1)
     assert (ledger.sent_bytes(), ledger.received_bytes()) == (sent, received), summary
     assert all(r.group_size == 2 for r in ledger.records)
+    # Ring estimate of what this rank sends: all_reduce 2(W-1)/W n = n at W=2, all_gather
+    # (W-1) n, reduce_scatter (W-1)/W n, broadcast n, p2p sends.
+    assert ledger.wire_bytes() == (40 + 24) + 40 + 40 + 20 + sent, ledger.wire_bytes()
 
 
 def test_comm_ledger_counts_calls_and_bytes_of_every_kind():

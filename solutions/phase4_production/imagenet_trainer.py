@@ -141,7 +141,8 @@ class Engine:
             if cfg.compression != "none":
                 from solutions.phase4_production.compression import make_hook
 
-                self.model.register_comm_hook(*make_hook(cfg.compression))
+                hook, state = make_hook(cfg.compression)
+                self.model.register_comm_hook(state, hook)
             self.optimizer = torch.optim.SGD(self.model.parameters(), **opt_kwargs)
         elif self.kind == "ours":
             from solutions.phase3_multi_node.ddp_bucketed import DDPBucketed
