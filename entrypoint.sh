@@ -17,6 +17,7 @@ set -euo pipefail
 
 # mode -> module run with `torchrun -m` (one line each; tests parse this table)
 declare -A MODES=(
+  [activation_checkpointing]=solutions.phase2_advanced.activation_checkpointing
   [compression]=solutions.phase4_production.compression
   [pipeline_1f1b]=solutions.phase2_advanced.pipeline
   [pipeline_gpipe]=solutions.phase2_advanced.pipeline

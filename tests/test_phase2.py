@@ -287,3 +287,107 @@ def test_mixed_precision_dp_matches_single_process_autocast(world_size, dtype_na
 @pytest.mark.parametrize("world_size", [2])
 def test_mixed_precision_dp_with_our_scaler_matches_single_process_autocast(world_size):
     run_distributed(_worker_mixed_precision_dp, world_size, "float16", "ours")
+
+
+# --------------------------------------------------------------------------- 2.6-2.7 activation checkpointing
+def _gpt(dropout: float, n_layer: int = 3) -> TinyGPT:
+    cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=n_layer, n_head=2, n_embd=16, dropout=dropout)
+    return seeded(TinyGPT, 0, cfg)
+
+
+def _gpt_batch(batch: int = 4, seq: int = 16):
+    g = torch.Generator().manual_seed(5000)
+    x = torch.randint(32, (batch, seq), generator=g)
+    return x, torch.roll(x, 1, dims=1)
+
+
+def _forward_backward(model: nn.Module, x, y, seed: int, autocast_dtype=None):
+    torch.manual_seed(seed)  # the dropout masks: the same draws on both sides
+    with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        _, loss = model(x, y)
+    loss.backward()
+    return loss.detach(), torch.get_rng_state()
+
+
+@pytest.mark.exercise("2.6-2.7 activation checkpointing")
+@pytest.mark.parametrize("every", [1, 2])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_checkpointed_gradients_match_plain_backward(dropout, every):
+    ac = load(PHASE, "activation_checkpointing")
+    x, y = _gpt_batch()
+    plain = _gpt(dropout).double()
+    ckpt = copy.deepcopy(plain)
+    wrapped = ac.apply_activation_checkpointing(ckpt.blocks, every=every)
+    assert wrapped == -(-3 // every), f"every={every}: wrapped {wrapped} of 3 blocks"
+    for step in range(2):  # twice: .grad accumulates across backwards the same way
+        plain_loss, plain_rng = _forward_backward(plain, x, y, seed=step)
+        ckpt_loss, ckpt_rng = _forward_backward(ckpt, x, y, seed=step)
+        what = f"dropout {dropout}, every {every}, backward {step}"
+        # The forward is the same ops on the same values (no_grad changes nothing): bitwise.
+        assert torch.equal(ckpt_loss, plain_loss), f"{what}: loss {ckpt_loss.item()} != plain {plain_loss.item()}"
+        # The recomputation must replay the forward's dropout draws and then leave the
+        # caller's generator where plain training leaves it.
+        assert torch.equal(ckpt_rng, plain_rng), f"{what}: the RNG state after backward differs from plain " \
+                                                 "training's (restore it after the recomputation: fork_rng)"
+        # float64; the gradient reaching a block's input is the sum of the residual and
+        # the block paths, added in a different order when the block is recomputed, so
+        # allow ~1e-16 relative rounding. Different dropout masks differ by ~1e-2.
+        assert_grads_close(ckpt, plain, rank=0, step=what, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.exercise("2.6-2.7 activation checkpointing")
+def test_checkpointed_autocast_gradients_match_plain_backward():
+    ac = load(PHASE, "activation_checkpointing")
+    x, y = _gpt_batch()
+    plain = _gpt(0.1)
+    ckpt = copy.deepcopy(plain)
+    ac.apply_activation_checkpointing(ckpt.blocks)
+    _forward_backward(plain, x, y, seed=0, autocast_dtype=torch.bfloat16)
+    _forward_backward(ckpt, x, y, seed=0, autocast_dtype=torch.bfloat16)
+    # The recomputation runs in backward, outside the caller's autocast: it must
+    # re-enter bf16 autocast, or its activations (and so the gradients) differ by
+    # bf16's rounding, ~1e-3. With autocast restored, only the summation order of the
+    # residual gradient differs (fp32): 1e-5 leaves a wide margin below bf16's error.
+    assert_grads_close(ckpt, plain, rank=0, step="bf16 autocast", rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.exercise("2.6-2.7 activation checkpointing")
+@pytest.mark.parametrize("every", [1, 2])
+def test_checkpointing_saves_less_activation_memory_than_plain(every):
+    ac = load(PHASE, "activation_checkpointing")
+    n_layer = 4
+    x, y = _gpt_batch(batch=8)
+    model = _gpt(0.1, n_layer)
+    # One block on its own: checkpointed, it saves exactly its input.
+    h = torch.randn(8, 16, 16, requires_grad=True)
+    with ac.SavedActivationMeter(model.blocks[0].parameters()) as block_meter:
+        model.blocks[0](h)
+    with ac.SavedActivationMeter(model.blocks[0].parameters()) as ckpt_block_meter:
+        ac.checkpoint(model.blocks[0], h)
+    input_bytes = h.numel() * h.element_size()
+    assert ckpt_block_meter.bytes == input_bytes, \
+        f"a checkpointed block saved {ckpt_block_meter.bytes} B for backward, expected only its input, {input_bytes} B"
+    # The whole model: each checkpointed block trades its insides for its input.
+    with ac.SavedActivationMeter(model.parameters()) as plain_meter:
+        model(x, y)
+    wrapped = ac.apply_activation_checkpointing(model.blocks, every=every)
+    with ac.SavedActivationMeter(model.parameters()) as ckpt_meter:
+        _, loss = model(x, y)
+    loss.backward()  # and it still trains
+    expected = plain_meter.bytes - wrapped * (block_meter.bytes - input_bytes)
+    print(f"\nsaved activations, TinyGPT n_layer={n_layer}, {wrapped} blocks checkpointed: "
+          f"{plain_meter.bytes} B plain -> {ckpt_meter.bytes} B checkpointed "
+          f"(one block: {block_meter.bytes} B plain, {input_bytes} B checkpointed)")
+    # Exact: the meter counts storages, and the blocks have identical shapes.
+    assert ckpt_meter.bytes == expected, \
+        f"every={every}: {ckpt_meter.bytes} B saved with checkpointing, expected {expected} B " \
+        f"= {plain_meter.bytes} plain - {wrapped} x ({block_meter.bytes} per block - {input_bytes} input)"
+    assert ckpt_meter.bytes < plain_meter.bytes
+
+
+@pytest.mark.exercise("2.6-2.7 activation checkpointing")
+@pytest.mark.scaffold
+def test_apply_activation_checkpointing_rejects_bad_every():
+    ac = load(PHASE, "activation_checkpointing")
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        ac.apply_activation_checkpointing([], every=0)
