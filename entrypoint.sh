@@ -17,12 +17,17 @@ set -euo pipefail
 
 # mode -> module run with `torchrun -m` (one line each; tests parse this table)
 declare -A MODES=(
+  [tp_dp_2d]=solutions.phase2_advanced.tp_dp_2d
   [activation_checkpointing]=solutions.phase2_advanced.activation_checkpointing
+  [monitoring]=solutions.phase4_production.monitoring
   [compression]=solutions.phase4_production.compression
+  [tour]=solutions.tour
+  [mixed_precision]=solutions.phase2_advanced.mixed_precision
+  [imagenet]=solutions.phase4_production.imagenet_trainer
+  [zero]=solutions.phase3_multi_node.zero_demo
+  [fault_tolerance]=solutions.phase4_production.fault_tolerance
   [pipeline_1f1b]=solutions.phase2_advanced.pipeline
   [pipeline_gpipe]=solutions.phase2_advanced.pipeline
-  [mixed_precision]=solutions.phase2_advanced.mixed_precision
-  [fault_tolerance]=solutions.phase4_production.fault_tolerance
   [ring_allreduce]=solutions.phase3_multi_node.ring_allreduce
   [tensor_parallel]=solutions.phase2_advanced.tensor_parallel
   [data_parallel_naive_grad_accumulation]=solutions.phase2_advanced.grad_accumulation

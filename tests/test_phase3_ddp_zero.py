@@ -157,11 +157,15 @@ def _worker_ddp(rank, world_size, impl, kind, n_buckets_list, find_unused=False)
         assert_ranks_identical(model, step=STEPS)
 
 
+def _worker_ddp_kinds(rank, world_size, impl, kinds, n_buckets_list, find_unused=False):
+    for kind in kinds:  # several cases in one world: starting worlds is the slow part
+        _worker_ddp(rank, world_size, impl, kind, n_buckets_list, find_unused and kind != "tied_frozen")
+
+
 @pytest.mark.exercise("3.10-3.11 DDP overlap per parameter")
-@pytest.mark.parametrize("kind", ["mlp", "tied_frozen"])
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_ddp_overlap_matches_single_process_and_torch_ddp(world_size, kind):
-    run_distributed(_worker_ddp, world_size, "overlap", kind, [1])
+def test_ddp_overlap_matches_single_process_and_torch_ddp(world_size):
+    run_distributed(_worker_ddp_kinds, world_size, "overlap", ["mlp", "tied_frozen"], [1])
 
 
 @pytest.mark.exercise("3.12-3.14 DDP buckets")
@@ -174,9 +178,8 @@ def test_ddp_bucketed_matches_single_process_and_torch_ddp(world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ddp_bucketed_tied_frozen_unused_matches_torch_ddp(world_size):
     # tied + frozen; a parameter no rank uses; a branch only even ranks use.
-    for kind in ("tied_frozen", "tied_frozen_unused", "branchy"):
-        run_distributed(_worker_ddp, world_size, "bucketed", kind, [1, 6],
-                        find_unused=kind != "tied_frozen")
+    run_distributed(_worker_ddp_kinds, world_size, "bucketed", ["tied_frozen", "tied_frozen_unused", "branchy"],
+                    [1, 6], find_unused=True)
 
 
 def _worker_unused_error(rank, world_size):
@@ -234,3 +237,200 @@ def test_ddp_overlap_no_sync_accumulation_matches_single_process():
 @pytest.mark.exercise("3.12-3.14 DDP buckets")
 def test_ddp_bucketed_no_sync_accumulation_matches_single_process():
     run_distributed(_worker_no_sync, 2, "bucketed")
+
+
+# --------------------------------------------------------------------------- 3.15-3.19 ZeRO
+def _padded(sharded_state: dict) -> int:
+    return sum(b["padded"] for b in sharded_state["layout"])
+
+
+def _zero(stage: int, model: nn.Module, **kw):
+    args = dict(lr=0.01, weight_decay=0.1)
+    if stage == 3:
+        return load(PHASE, "fsdp").FullyShardedDataParallel(model, torch.optim.AdamW, **kw, **args)
+    # 400 B buckets: several buckets, so the per-bucket bookkeeping is exercised.
+    return load(PHASE, "zero").ZeroOptimizer(model, torch.optim.AdamW, stage=stage, bucket_size_mb=400 / 2**20,
+                                             **kw, **args)
+
+
+def _check_memory(zo, stage: int, rank: int, world_size: int, elem: int, what: str) -> None:
+    """At rest: params/grads/optimizer state are the textbook fractions of the padded Psi."""
+    psi = _padded(zo.sharded_state_dict()) * elem  # padding: < W elements per bucket
+    expected = {"params": psi // world_size if stage == 3 else psi,
+                "grads": psi if stage == 1 else psi // world_size,
+                "optimizer": 2 * psi // world_size}  # AdamW: exp_avg + exp_avg_sq (K = 2 in fp64)
+    got = zo.memory_bytes()
+    assert got == expected, f"{what}: per-rank bytes {got}, expected {expected}"
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, got["optimizer"])
+    assert max(everyone) <= 1.01 * min(everyone), f"{what}: optimizer state per rank {everyone} not balanced"
+
+
+def _worker_zero(rank, world_size, stage):
+    for kind in ("mlp", "tied_frozen"):  # several cases in one world: starting worlds is the slow part
+        _check_zero(rank, world_size, stage, kind)
+
+
+def _check_zero(rank, world_size, stage, kind):
+    baseline = _make(kind, 0)
+    base_opt = _adamw(baseline)
+    model = _make(kind, rank)  # different on purpose: construction must broadcast rank 0's
+    zo = _zero(stage, model)
+    forward = zo if stage == 3 else model
+    builtin = builtin_opt = None
+    if stage == 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        builtin = nn.parallel.DistributedDataParallel(_make(kind, 0))
+        builtin_opt = ZeroRedundancyOptimizer([p for p in builtin.parameters() if p.requires_grad],
+                                              optimizer_class=torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+    elem = 8
+    for step in range(STEPS):
+        what = f"rank {rank}, ZeRO-{stage}, {kind}, step {step}"
+        x, y = _batch(kind, step)
+        xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+        _baseline_step(baseline, base_opt, kind, x, y, world_size)
+        zo.zero_grad()
+        ledger = CommLedger()
+        with ledger:
+            _loss(forward(xs), ys).backward()
+            zo.step()
+        if stage == 3:
+            full = zo.full_state_dict()
+            for name, expected in baseline.state_dict().items():
+                assert_tensors_close(full[name], expected, f"{what}, gathered {name}", **TOL)
+        else:
+            assert_models_close(model, baseline, rank=rank, step=what, **TOL)
+        if builtin is not None:
+            builtin_opt.zero_grad()
+            _loss(builtin(xs), ys).backward()
+            builtin_opt.step()
+            # Same averaged gradients, same elementwise AdamW: only summation order differs.
+            assert_models_close(model, builtin.module, rank=rank, step=f"{what} vs ZeroRedundancyOptimizer", **TOL)
+        _check_memory(zo, stage, rank, world_size, elem, what)
+        if stage == 3:
+            psi_pad = _padded(zo.sharded_state_dict()) * elem
+            units = len(zo.sharded_state_dict()["layout"])
+            ag, rs = ledger.summary().get("all_gather_single", {}), ledger.summary().get("reduce_scatter_single", {})
+            # Forward and backward each gather every unit once; every unit reduce-scatters once.
+            assert ag == {"calls": 2 * units, "bytes": 2 * psi_pad // world_size}, f"{what}: all-gathers {ag}"
+            assert rs == {"calls": units, "bytes": psi_pad}, f"{what}: reduce-scatters {rs}"
+            if world_size > 1:
+                # Bytes each rank puts on the wire in a ring: an all-gather sends (W-1) chunks, a
+                # reduce-scatter (W-1)/W of its input, DDP's all-reduce 2 (W-1)/W of the gradients.
+                psi = sum(p.numel() for p in baseline.parameters() if p.requires_grad) * elem
+                ours = (world_size - 1) * ag["bytes"] + (world_size - 1) / world_size * rs["bytes"]
+                ddp = 2 * (world_size - 1) / world_size * psi
+                assert abs(ours / ddp - 1.5 * psi_pad / psi) < 1e-12 and psi_pad / psi < 1.05, \
+                    f"{what}: ZeRO-3 / DDP bytes {ours / ddp:.4f}, expected 1.5 (x padding {psi_pad / psi:.4f})"
+
+
+@pytest.mark.exercise("3.15 ZeRO-1")
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_zero1_matches_single_process_and_zero_redundancy_optimizer(world_size):
+    run_distributed(_worker_zero, world_size, 1)
+
+
+@pytest.mark.exercise("3.16 ZeRO-2")
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_zero2_matches_single_process(world_size):
+    run_distributed(_worker_zero, world_size, 2)
+
+
+@pytest.mark.exercise("3.17-3.18 ZeRO-3")
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_zero3_matches_single_process(world_size):
+    run_distributed(_worker_zero, world_size, 3)
+
+
+def _worker_zero3_gpt(rank, world_size):
+    from distlab.models import GPTConfig, TinyGPT
+    cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8)
+    baseline = seeded(TinyGPT, 0, cfg).double()
+    base_opt = _adamw(baseline)
+    fsdp = _zero(3, seeded(TinyGPT, rank, cfg).double())
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randint(16, (GLOBAL_BATCH, 8), generator=g)
+        y = torch.roll(x, -1, dims=1)
+        base_opt.zero_grad()
+        baseline(x, y)[1].backward()
+        base_opt.step()
+        fsdp.zero_grad()
+        fsdp(shard(x, rank, world_size), shard(y, rank, world_size))[1].backward()
+        fsdp.step()
+        full = fsdp.full_state_dict()
+        for name, expected in baseline.state_dict().items():
+            assert_tensors_close(full[name], expected, f"rank {rank}, ZeRO-3 TinyGPT, step {step}, {name}", **TOL)
+
+
+@pytest.mark.exercise("3.17-3.18 ZeRO-3")
+def test_zero3_tinygpt_units_match_single_process():
+    run_distributed(_worker_zero3_gpt, 2)
+
+
+def _worker_zero3_bf16(rank, world_size):
+    baseline = seeded(ToyMLP, 0, 6, 10, 3)  # fp32 master weights
+    base_opt = _adamw(baseline)
+    fsdp = _zero(3, seeded(ToyMLP, rank, 6, 10, 3), compute_dtype=torch.bfloat16)
+    for step in range(STEPS):
+        x, y = _batch("mlp", step)
+        x = x.float()
+        # Baseline: each shard's forward/backward in bf16, gradients summed in fp32, / W.
+        base_opt.zero_grad()
+        grads = [torch.zeros_like(p) for p in baseline.parameters()]
+        for r in range(world_size):
+            low = copy.deepcopy(baseline).to(torch.bfloat16)
+            _loss(low(shard(x, r, world_size).bfloat16()).float(), shard(y, r, world_size)).backward()
+            for g, p in zip(grads, low.parameters()):
+                g += p.grad.float()
+        for g, p in zip(grads, baseline.parameters()):
+            p.grad = g / world_size
+        base_opt.step()
+        fsdp.zero_grad()
+        _loss(fsdp(shard(x, rank, world_size)).float(), shard(y, rank, world_size)).backward()
+        fsdp.step()
+        full = fsdp.full_state_dict()
+        assert all(p.dtype == torch.bfloat16 for p in fsdp.module.parameters()), "gathered params must be bf16"
+        for name, expected in baseline.state_dict().items():
+            # Identical bf16 shard computations; the fp32 sum over ranks may be reordered (~1e-7),
+            # which AdamW's normalised update turns into ~1e-6 at most.
+            assert_tensors_close(full[name], expected, f"rank {rank}, ZeRO-3 bf16, step {step}, {name}",
+                                 rtol=1e-5, atol=1e-5)
+        mem = fsdp.memory_bytes()
+        assert mem["grads"] == mem["params"], f"rank {rank}: gradient chunks must stay fp32 like the master chunks"
+
+
+@pytest.mark.exercise("3.17-3.18 ZeRO-3")
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_zero3_bf16_compute_matches_single_process_mixed_precision(world_size):
+    run_distributed(_worker_zero3_bf16, world_size)
+
+
+def _worker_zero3_checkpoint(rank, world_size):
+    fsdp = _zero(3, _make("tied_frozen", 0))
+    for step in range(2):
+        x, y = _batch("tied_frozen", step)
+        fsdp.zero_grad()
+        _loss(fsdp(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+        fsdp.step()
+    full, sharded = fsdp.full_state_dict(), fsdp.sharded_state_dict()
+    restored = _zero(3, _make("tied_frozen", 7))  # other weights: the loads must overwrite them
+    restored.load_full_state_dict(full)
+    restored.load_sharded_state_dict(sharded)
+    for name, t in restored.full_state_dict().items():
+        assert torch.equal(t, full[name]), f"rank {rank}: {name} differs after load_full_state_dict"
+    for model in (fsdp, restored):
+        x, y = _batch("tied_frozen", 5)
+        model.zero_grad()
+        _loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+        model.step()
+    after, expected = restored.full_state_dict(), fsdp.full_state_dict()
+    for name in expected:
+        # Same chunks, same optimizer state, same data: bitwise the same step.
+        assert torch.equal(after[name], expected[name]), f"rank {rank}: {name} differs one step after restoring"
+
+
+@pytest.mark.exercise("3.19 ZeRO-3 state dicts")
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_zero3_state_dict_round_trip_matches_uninterrupted_training(world_size):
+    run_distributed(_worker_zero3_checkpoint, world_size)

@@ -1,0 +1,77 @@
+"""RUN_MODE=zero: train TinyGPT with ZeRO stage 1, 2 or 3 and print per-rank memory and traffic.
+
+    RUN_MODE=zero ./entrypoint.sh --stage 3 [--compute-dtype bfloat16] [--steps 40]
+
+The summary shows, per rank, the bytes held for parameters, gradients and
+optimizer state (compare the fractions with guidelines_ddp_zero.md#memory-math)
+and the bytes each collective moved per step.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main(argv: list[str] | None = None) -> None:
+    from distlab.comm import CommLedger
+    from distlab.data import synthetic_tokens
+    from distlab.launch import init_from_env, shutdown
+    from distlab.metrics import format_bytes, format_table, log0, progress
+    from distlab.models import GPTConfig, TinyGPT
+    from solutions.phase3_multi_node.fsdp import FullyShardedDataParallel
+    from solutions.phase3_multi_node.zero import ZeroOptimizer
+
+    parser = argparse.ArgumentParser(description="ZeRO-1/2/3 training of TinyGPT on synthetic tokens.")
+    parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=3)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    parser.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="stage 3 only: dtype of the gathered parameters")
+    args = parser.parse_args(argv)
+    env = init_from_env()
+    try:
+        cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64)
+        torch.manual_seed(env.rank)  # construction broadcasts rank 0's weights
+        model = TinyGPT(cfg).to(env.device)
+        kw = dict(lr=3e-3, weight_decay=0.1)
+        if args.stage == 3:
+            dtype = torch.bfloat16 if args.compute_dtype == "bfloat16" else None
+            zero = FullyShardedDataParallel(model, torch.optim.AdamW, compute_dtype=dtype, **kw)
+            forward = zero
+        else:
+            zero = ZeroOptimizer(model, torch.optim.AdamW, stage=args.stage, bucket_size_mb=0.25, **kw)
+            forward = model
+        inputs, targets = synthetic_tokens(n_seq=1024, seq_len=cfg.block_size, vocab_size=cfg.vocab_size).tensors
+        g = torch.Generator().manual_seed(1234 + env.rank)  # each rank draws its own sequences
+        ledger = CommLedger()
+        log0(f"ZeRO-{args.stage}: {env.world_size} ranks ({env.backend}), TinyGPT "
+             f"{sum(p.numel() for p in model.parameters()) if args.stage < 3 else 'sharded'} params")
+        start, first_loss = time.perf_counter(), None
+        for step in progress(range(args.steps), desc=f"ZeRO-{args.stage}"):
+            idx = torch.randint(len(inputs), (args.batch,), generator=g)
+            x, y = inputs[idx].to(env.device), targets[idx].to(env.device)
+            zero.zero_grad()
+            with ledger:
+                logits = forward(x)
+                loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                loss.backward()
+                zero.step()
+            first_loss = loss.item() if first_loss is None else first_loss
+        elapsed = time.perf_counter() - start
+        mem = zero.memory_bytes()
+        rows = [None] * env.world_size
+        dist.all_gather_object(rows, {"rank": env.rank, **{k: format_bytes(v) for k, v in mem.items()}})
+        log0("\n" + format_table(rows))
+        traffic = {op: format_bytes(v["bytes"] / args.steps) for op, v in ledger.summary().items()}
+        log0("\n" + format_table([{"stage": args.stage, "loss first -> last": f"{first_loss:.3f} -> {loss.item():.3f}",
+                                   "step ms": f"{1000 * elapsed / args.steps:.1f}",
+                                   **{f"{op}/step": b for op, b in traffic.items()}}]))
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    main()
