@@ -1,0 +1,177 @@
+"""2D parallelism: data parallel x tensor parallel on a grid of ranks.
+
+W = dp_size * tp_size ranks form a grid. Each row is a tensor-parallel group (one
+model replica, split across tp_size ranks); each column a data-parallel group
+(the ranks that hold the *same shard* of the model, on different data):
+
+    world 4, tp_size 2:          tp group 0: ranks 0 1   (replica 0, data shard 0)
+        tp_rank 0  tp_rank 1     tp group 1: ranks 2 3   (replica 1, data shard 1)
+    dp 0   rank 0    rank 1      dp group 0: ranks 0 2   (both hold shard 0 of every matrix)
+    dp 1   rank 2    rank 3      dp group 1: ranks 1 3
+
+Ranks of one tensor-parallel group are neighbours (rank = dp_rank * tp_size + tp_rank):
+TP talks after every layer, so it gets the fastest links (NVLink inside a node);
+DP talks once per step.
+
+One step: each replica (row) runs tensor-parallel forward/backward on its data
+shard; then every rank averages its *shard's* gradients over its dp group.
+
+Cost per step, per rank: TP's activation all-reduces inside the row (see
+tensor_parallel.py) plus one all-reduce of |params|/tp_size bytes (+ the replicated
+ones: LayerNorms, biases after a row layer) over the dp group.
+See phase2_advanced/guidelines_model_parallel.md#2d-parallelism.
+
+Run: ``NPROC=4 RUN_MODE=tp_dp_2d ./entrypoint.sh`` (TinyGPT; tp_size 2 by default).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from distlab.todo import todo
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """This rank's place on the dp x tp grid and the two groups it belongs to (passed, never global)."""
+
+    rank: int
+    world_size: int
+    tp_size: int
+    dp_size: int
+    tp_rank: int
+    dp_rank: int
+    tp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    tp_ranks: tuple[int, ...]  # global ranks of this rank's tensor-parallel group
+    dp_ranks: tuple[int, ...]  # global ranks of this rank's data-parallel group
+
+    def __post_init__(self) -> None:
+        if self.tp_size * self.dp_size != self.world_size:
+            raise ValueError(f"tp_size {self.tp_size} x dp_size {self.dp_size} != world size {self.world_size}")
+
+
+def build_grid(tp_size: int) -> RankGrid:
+    """Split the world into dp_size = W / tp_size rows of tp_size neighbouring ranks.
+
+    Equivalent to: ``torch.distributed.device_mesh.init_device_mesh("cpu", (dp, tp))``.
+    Collective: every rank must call it (``dist.new_group`` is collective over the
+    world: each rank creates *every* group, in the same order, even those it is not in).
+    Cost: one group creation per row and per column (setup only).
+    """
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    if tp_size < 1 or world_size % tp_size:
+        raise ValueError(f"world size {world_size} is not divisible by tp_size {tp_size} "
+                         f"({world_size} = {world_size // max(tp_size, 1)} * {tp_size} + {world_size % max(tp_size, 1)})")
+    dp_size = world_size // tp_size
+    mine: dict[str, tuple] = {}  # "tp" / "dp" -> (this rank's group, its global ranks as a tuple)
+    # --- TODO 2.21: the rows and columns of the grid ---
+    # 1. the tp groups (rows): dp_size lists of tp_size neighbouring ranks, rank = d * tp_size + t;
+    #    the dp groups (columns): tp_size lists, the ranks with the same t;
+    # 2. dist.new_group(ranks) for EVERY group, on every rank, in the same order (it is
+    #    collective over the world: skipping the groups you are not in hangs or mixes them up);
+    # 3. keep the two that contain `rank`: mine['tp'] = (group, tuple(ranks)), and mine['dp'].
+    raise todo("2.21 rank grid", "phase2_advanced/guidelines_model_parallel.md#2d-parallelism")
+    # --- end TODO 2.21 ---
+    return RankGrid(rank=rank, world_size=world_size, tp_size=tp_size, dp_size=dp_size,
+                    tp_rank=rank % tp_size, dp_rank=rank // tp_size,
+                    tp_group=mine["tp"][0], dp_group=mine["dp"][0],
+                    tp_ranks=mine["tp"][1], dp_ranks=mine["dp"][1])
+
+
+def allreduce_dp_gradients(model: nn.Module, grid: RankGrid) -> None:
+    """Average every gradient of this rank's model shard over its data-parallel group.
+
+    Equivalent to: the gradient of the mean loss over the whole global batch, on every
+    replica (each dp rank saw an equal shard of it).
+    Collective: every rank of ``grid.dp_group`` must call it with the same parameters.
+    Cost: one all-reduce of |local params with gradients| bytes over the dp group
+    (|params|/tp_size for the sharded ones).
+    """
+    # --- TODO 2.22: average the shard's gradients over the dp group ---
+    # Like Phase 1's allreduce_gradients, but over grid.dp_group and divided by grid.dp_size:
+    # the ranks of a dp group hold the same shard; the tp group must NOT be reduced (its
+    # ranks hold different shards, and TP already made their gradients whole).
+    raise todo("2.22 data-parallel gradient average", "phase2_advanced/guidelines_model_parallel.md#2d-parallelism")
+    # --- end TODO 2.22 ---
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+               loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+               inputs: torch.Tensor, targets: torch.Tensor, grid: RankGrid) -> torch.Tensor:
+    """One 2D step on the *global* batch: this replica takes its dp shard; returns its loss.
+
+    ``model`` is a tensor-parallel model built on ``grid.tp_group``; ``loss_fn(model, x, y)``
+    returns the mean loss of a batch.
+    """
+    if inputs.shape[0] % grid.dp_size:
+        raise ValueError(f"global batch {inputs.shape[0]} is not divisible by dp_size {grid.dp_size}")
+    per = inputs.shape[0] // grid.dp_size
+    rows = slice(grid.dp_rank * per, (grid.dp_rank + 1) * per)  # the same shard on the whole tp row
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model, inputs[rows], targets[rows])
+    loss.backward()  # tensor-parallel communication happens in here, inside the tp group
+    allreduce_dp_gradients(model, grid)
+    optimizer.step()
+    return loss.detach()
+
+
+# --------------------------------------------------------------------------- demo
+def main(argv: list[str] | None = None) -> None:
+    from distlab import load
+    from distlab.comm import CommLedger
+    from distlab.data import synthetic_tokens
+    from distlab.launch import init_from_env, shutdown
+    from distlab.metrics import format_bytes, format_table, log0, progress
+    from distlab.models import GPTConfig, TinyGPT
+
+    parser = argparse.ArgumentParser(description="TinyGPT, data parallel x tensor parallel.")
+    parser.add_argument("--tp-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    args = parser.parse_args(argv)
+    env = init_from_env()
+    try:
+        tp = load("phase2_advanced", "tensor_parallel")  # the layers of exercises 2.15-2.20
+        grid = build_grid(min(args.tp_size, env.world_size))
+        cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=64)
+        torch.manual_seed(0)  # every rank builds the same full model, then keeps its tp shard
+        reference = TinyGPT(cfg)
+        model = tp.ParallelGPT(reference, group=grid.tp_group)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr, weight_decay=0.0)
+        tokens, targets = synthetic_tokens(n_seq=args.global_batch * args.steps, seq_len=16, vocab_size=64).tensors
+        log0(f"2D: {env.world_size} ranks = dp {grid.dp_size} x tp {grid.tp_size}; "
+             f"rank 0's tp group {list(grid.tp_ranks)}, dp group {list(grid.dp_ranks)}")
+        ledger, elapsed = CommLedger(), 0.0
+        for step in progress(range(args.steps), desc="2D"):
+            x = tokens[step * args.global_batch:(step + 1) * args.global_batch]
+            y = targets[step * args.global_batch:(step + 1) * args.global_batch]
+            start = time.perf_counter()
+            with ledger:
+                loss = train_step(model, opt, lambda m, a, b: m(a, b)[1], x, y, grid)
+            elapsed += time.perf_counter() - start
+            ref_opt.zero_grad(set_to_none=True)
+            ref_loss = reference(x, y)[1]  # single process, whole global batch
+            ref_loss.backward()
+            ref_opt.step()
+        dist.all_reduce(loss, group=grid.dp_group)  # mean over replicas = the global batch's loss
+        log0("\n" + format_table([{
+            "ranks": env.world_size, "dp x tp": f"{grid.dp_size} x {grid.tp_size}", "steps": args.steps,
+            "loss (2D)": f"{loss.item() / grid.dp_size:.4f}", "loss (one process)": f"{ref_loss.item():.4f}",
+            "params/rank": sum(p.numel() for p in model.parameters()),
+            "all-reduced/step (rank 0)": format_bytes(ledger.bytes("all_reduce") / args.steps),
+            "steps/s": f"{args.steps / elapsed:.1f}"}]))
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    main()
