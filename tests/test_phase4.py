@@ -10,6 +10,7 @@ hooks. The code under test comes from ``load(...)``; the torchrun harness
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import random
@@ -571,3 +572,107 @@ def test_compressed_digits_matches_uncompressed_accuracy(methods, ratios):
         assert r["accuracy"] >= baseline["accuracy"] - ACCURACY_MARGIN, \
             f"{method}: test accuracy {r['accuracy']:.3f} vs uncompressed {baseline['accuracy']:.3f} " \
             f"(margin {ACCURACY_MARGIN})"
+
+
+# --------------------------------------------------------------------------- 4.11-4.12 monitoring
+def _worker_gather(rank, world_size):
+    from distlab.comm import CommLedger
+    mon = load(PHASE, "monitoring")
+    for n in (1, 9):
+        values = [rank * 100.0 + i + 0.25 for i in range(n)]
+        expected = [None] * world_size
+        dist.all_gather_object(expected, values)  # the built-in, pickled baseline
+        ledger = CommLedger()
+        with ledger:
+            got = mon.gather_to_rank0(values)
+        what = f"rank {rank}, W={world_size}, {n} values"
+        if rank == 0:
+            assert got == expected, f"{what}: {got} != {expected}"  # copies of float64: exact
+        else:
+            assert got is None, f"{what}: only rank 0 gets the result, got {got}"
+        assert ledger.summary() == {"gather": {"calls": 1, "bytes": 8 * n}}, \
+            f"{what}: expected one gather of {8 * n} B, saw {ledger.summary()}"
+
+
+@pytest.mark.exercise("4.11 gather metrics to rank 0")
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_gather_to_rank0_matches_all_gather_object(world_size):
+    run_distributed(_worker_gather, world_size)
+
+
+@pytest.mark.exercise("4.12 straggler detection")
+def test_find_stragglers_matches_median_rule():
+    mon = load(PHASE, "monitoring")
+    cases = [([1.0], 1.5, []), ([1.0, 1.0, 1.0], 1.5, []), ([1.0, 1.0, 3.0], 1.5, [2]),
+             ([1.0, 1.0, 1.5], 1.5, []),                    # exactly factor x median is not slower
+             ([5.0, 1.0, 1.1, 0.9, 1.0], 2.0, [0]),          # the mean (1.8) would hide nothing here, the median must be used
+             ([1.0, 4.0], 1.5, [1]), ([1.0, 2.0], 1.5, []),  # W=2: the median is the mean of both
+             ([1.0, 9.0, 9.5, 1.0, 1.2], 2.0, [1, 2])]       # two stragglers, in rank order
+    for busy, factor, expected in cases:
+        median = float(np.median(busy))
+        assert expected == [r for r, t in enumerate(busy) if t > factor * median]  # the rule itself
+        got = mon.find_stragglers(busy, factor)
+        assert got == expected, f"busy {busy}, factor {factor} (median {median}): named {got}, expected {expected}"
+
+
+@pytest.mark.exercise("4.12 straggler detection")
+@pytest.mark.scaffold
+def test_find_stragglers_rejects_factor_below_one():
+    with pytest.raises(ValueError, match="factor must be > 1"):
+        load(PHASE, "monitoring").find_stragglers([1.0, 2.0], 0.5)
+
+
+class _FakeClock:
+    """Seconds that advance only when told: a slow rank is a fact, not a race."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _worker_monitor(rank, world_size, slow_rank, out_dir):
+    mon = load(PHASE, "monitoring")
+    clock = _FakeClock()
+    unit = 1 / 1024  # powers of two: the fake times add up exactly
+    # 1.3: with W=2 the median is the mean of both ranks (see the demo in monitoring.py)
+    monitor = mon.Monitor(rank, world_size, out_dir, interval=4, straggler_factor=1.3, clock=clock)
+    compute = [4 * unit * (4 if r == slow_rank else 1) for r in range(world_size)]
+    reports = []
+    for step in range(8):
+        with monitor.section("data"):
+            clock.advance(unit)
+        with monitor.section("compute"):
+            clock.advance(compute[rank])  # the injected slowness is part of the measured compute
+        with monitor.section("comm"):
+            dist.all_reduce(torch.ones(3))
+            clock.advance(max(compute) - compute[rank] + unit)  # the others wait for the slow rank
+        with monitor.section("optimizer"):
+            clock.advance(2 * unit)
+        report = monitor.end_step(step, samples=8, loss=1.0 / (step + 1), grad_norm=0.5)
+        if report is not None:
+            reports.append(report)
+    expect_reports = 2 if rank == 0 else 0
+    assert len(reports) == expect_reports, f"rank {rank}: {len(reports)} reports, expected {expect_reports}"
+    for report in reports:
+        expected = [] if slow_rank < 0 else [slow_rank]
+        assert report.stragglers == expected, f"step {report.step}: named {report.stragglers}, expected {expected}"
+        for s in report.ranks:
+            assert s.compute_s == compute[s.rank] and s.busy_s == 3 * unit + compute[s.rank], \
+                f"step {report.step}, rank {s.rank}: compute {s.compute_s}, busy {s.busy_s}"
+            assert s.step_s == 4 * unit + max(compute), f"step {report.step}, rank {s.rank}: step {s.step_s}"
+    if rank == 0:
+        lines = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+        assert len(lines) == 2 * world_size, f"{len(lines)} JSONL lines, expected 2 reports x {world_size} ranks"
+        assert [line["rank"] for line in lines if line["straggler"]] == ([] if slow_rank < 0 else [slow_rank] * 2)
+        assert (Path(out_dir) / "metrics.csv").read_text().count("\n") == 2 * world_size + 1, "CSV: header + a row each"
+
+
+@pytest.mark.exercise("4.11-4.12 monitor")
+@pytest.mark.parametrize("world_size,slow_rank", [(2, 1), (3, 1), (4, 2), (3, -1)])
+def test_monitor_names_injected_slow_rank(world_size, slow_rank, tmp_path):
+    run_distributed(_worker_monitor, world_size, slow_rank, str(tmp_path / "metrics"))

@@ -154,7 +154,7 @@ class TopKState:
             raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
 
 
-def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def topk_hook(state: "TopKState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Send only the k = ceil(ratio x n) largest-magnitude entries of (gradient + residual).
 
     Every rank all-gathers the others' (values, indices) and scatter-adds them: the
@@ -205,7 +205,7 @@ def _orthonormalize(p: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(p, mode="reduced").Q
 
 
-def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def powersgd_hook(state: "PowerSGDState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Rank-r approximation of every matrix gradient of the bucket by one warm-started power iteration.
 
     For each gradient viewed as an a x b matrix M (with error feedback: M + error):
