@@ -30,6 +30,7 @@ Run: ``RUN_MODE=compression ./entrypoint.sh`` (bytes per step and accuracy per m
 """
 import argparse
 import math
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -278,8 +279,13 @@ def make_hook(method: str, group: dist.ProcessGroup | None = None):
 
 
 def train_digits(method: str, rank: int, world_size: int, epochs: int = 4, global_batch: int = 64,
-                 lr: float = 0.1, seed: int = 0) -> dict:
-    """Train an MLP on digits under torch DDP with ``method``'s hook; bytes per step and test accuracy."""
+                 lr: float = 0.1, seed: int = 0, hook_and_state: tuple | None = None) -> dict:
+    """Train an MLP on digits under torch DDP with ``method``'s hook (or ``hook_and_state``).
+
+    Returns the median bytes per step this rank sent through ``torch.distributed`` (hooks
+    that start uncompressed, like torch's PowerSGD, count from their steady state) and
+    the test accuracy.
+    """
     from distlab.comm import CommLedger
     from distlab.data import digits
 
@@ -287,13 +293,13 @@ def train_digits(method: str, rank: int, world_size: int, epochs: int = 4, globa
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     ddp = nn.parallel.DistributedDataParallel(model)
-    hook, state = make_hook(method)
+    hook, state = hook_and_state or make_hook(method)
     if hook is not None:
         ddp.register_comm_hook(state, hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
     x, y = train.tensors
     per_rank = global_batch // world_size
-    ledger, steps = CommLedger(), 0
+    ledger, per_step = CommLedger(), []
     for epoch in range(epochs):
         perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed + epoch))
         for start in range(0, len(y) - global_batch + 1, global_batch):
@@ -302,10 +308,12 @@ def train_digits(method: str, rank: int, world_size: int, epochs: int = 4, globa
             with ledger:  # the hooks run inside backward
                 nn.functional.cross_entropy(ddp(x[idx]), y[idx]).backward()
             optimizer.step()
-            steps += 1
+            per_step.append(ledger.bytes())
+            ledger.reset()
     with torch.no_grad():
         accuracy = (model(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean().item()
-    return {"method": method, "bytes_per_step": ledger.bytes() / steps, "accuracy": accuracy, "steps": steps}
+    return {"method": method, "bytes_per_step": statistics.median(per_step), "accuracy": accuracy,
+            "steps": len(per_step)}
 
 
 def main(argv: list[str] | None = None) -> None:
