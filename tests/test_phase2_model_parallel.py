@@ -474,3 +474,59 @@ def _worker_bad_grid(rank, world_size):
 @pytest.mark.scaffold
 def test_grid_rejects_tp_size_not_dividing_world():
     run_distributed(_worker_bad_grid, 4)
+
+
+# =========================================================================== 2.10-2.11 model split
+def _worker_model_split(rank, world_size, with_backward):
+    ms = load(PHASE, "model_split")
+    p, batch = world_size, 6
+    reference = _pipeline_stages(p)
+    full = nn.Sequential(*reference)
+    mine = _pipeline_stages(p)[rank]
+    opt_ref = torch.optim.SGD(full.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(mine.parameters(), lr=0.1, momentum=0.9)
+    act = batch * HIDDEN * 8  # one float64 activation (or its gradient) per boundary
+    for step in range(2):
+        x = _randn(batch, IN_FEATURES, seed=500 + step)
+        y = torch.randint(CLASSES, (batch,), generator=torch.Generator().manual_seed(600 + step))
+        what = f"rank {rank} (stage {rank} of {p}), step {step}"
+        if not with_backward:
+            with torch.no_grad():
+                expected = nn.Sequential(*reference[:rank + 1])(x)
+            ledger = CommLedger()
+            with ledger:
+                _, out = ms.forward_stage(mine, x if rank == 0 else None, (batch, HIDDEN), torch.float64)
+            assert_tensors_close(out, expected, f"{what}: stage output vs the unsplit model's layers 0..{rank}",
+                                 **EXACT)  # the same ops on the same values
+            sent = act * (rank < p - 1)
+            assert ledger.sent_bytes() == sent, f"{what}: forward sent {ledger.sent_bytes()} B, expected {sent}"
+            continue
+        opt_ref.zero_grad()
+        loss_ref = F.cross_entropy(full(x), y)
+        loss_ref.backward()
+        ledger = CommLedger()
+        with ledger:
+            loss = ms.train_step(mine, opt, F.cross_entropy, x if rank == 0 else None, y if rank == p - 1 else None,
+                                 (batch, HIDDEN), torch.float64)
+        if rank == p - 1:
+            assert abs(loss - loss_ref.item()) < 1e-12, f"{what}: loss {loss} != unsplit {loss_ref.item()}"
+        for (name, a), b in zip(mine.named_parameters(), reference[rank].parameters()):
+            assert_tensors_close(a.grad, b.grad, f"{what}, gradient of stage parameter {name}", **TOL)
+        opt_ref.step()
+        for (name, a), b in zip(mine.named_parameters(), reference[rank].parameters()):
+            assert_tensors_close(a, b, f"{what}, stage parameter {name} after SGD", **TOL)
+        sent = act * ((rank < p - 1) + (rank > 0))  # activation forward + its gradient backward
+        assert ledger.sent_bytes() == sent and ledger.received_bytes() == sent, \
+            f"{what}: sent {ledger.sent_bytes()} B / received {ledger.received_bytes()} B, expected {sent} each"
+
+
+@pytest.mark.exercise("2.10-2.11 naive model split")
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_split_forward_matches_unsplit_model(world_size):
+    run_distributed(_worker_model_split, world_size, False)
+
+
+@pytest.mark.exercise("2.10-2.11 naive model split")
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_split_training_matches_unsplit_model(world_size):
+    run_distributed(_worker_model_split, world_size, True)
