@@ -40,6 +40,7 @@ import torch.distributed as dist
 from distlab.todo import LearnerTODO
 
 _CTX = None
+_IN_RUN_DISTRIBUTED = False  # True inside a rank started by run_distributed
 
 
 def _context():
@@ -83,6 +84,8 @@ def free_port() -> int:
 def _child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s, env, conn):
     # The forkserver was started with the environment of an earlier moment; use
     # the launching process's environment as it is now (DISTLAB_IMPL, ...).
+    global _IN_RUN_DISTRIBUTED
+    _IN_RUN_DISTRIBUTED = True
     os.environ.clear()
     os.environ.update(env)
     loopback = loopback_interface()
@@ -263,8 +266,16 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
     The store is prefixed with torchrun's restart count: after an elastic restart,
     ranks must not read the keys (addresses, barriers) the previous attempt left.
 
+    Inside ``run_distributed`` (a process group already exists) it describes that
+    group instead, so a script's ``main()`` can also be driven from a test.
+
     Collective: every rank must call it (it is the rendezvous).
     """
+    if dist.is_initialized():
+        backend = dist.get_backend()
+        rank = dist.get_rank()
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        return DistEnv(rank, dist.get_world_size(), device.index or 0, backend, device)
     if "RANK" not in os.environ:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         return DistEnv(0, 1, 0, "gloo", torch.device("cpu"))
@@ -290,6 +301,9 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
 
 
 def shutdown() -> None:
-    """Destroy the default process group if there is one (call in ``finally``)."""
-    if dist.is_initialized():
+    """Destroy the default process group if there is one (call in ``finally``).
+
+    Inside ``run_distributed`` the launcher owns the group and destroys it itself.
+    """
+    if dist.is_initialized() and not _IN_RUN_DISTRIBUTED:
         dist.destroy_process_group()

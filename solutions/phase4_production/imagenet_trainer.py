@@ -61,6 +61,7 @@ class Config:
     workers: int = 0
     checkpoint_dir: str = ""
     checkpoint_every: int = 100
+    stop_at_step: int = 0  # leave after this step's checkpoint, as a preempted job would (0: never)
     keep: int = 3
     seed: int = 0
     log_every: int = 20
@@ -309,8 +310,11 @@ def train(cfg: Config) -> dict:
             step += 1
             if hasattr(bar, "set_postfix") and step % cfg.log_every == 0:
                 bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{scheduler.get_last_lr()[0]:.4f}")
-            if step % cfg.checkpoint_every == 0:
+            if step % cfg.checkpoint_every == 0 or step == cfg.stop_at_step:
                 save(sampler_state)
+            if step == cfg.stop_at_step:
+                log0(f"stopping at step {step} (--stop-at-step); run again to resume")
+                return {"stopped_at": step}
         elapsed = time.perf_counter() - start
         if step % cfg.checkpoint_every:
             save(sampler_state)
@@ -342,8 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    train(Config(**vars(build_parser().parse_args(argv))))
+def main(argv: list[str] | None = None) -> dict:
+    return train(Config(**vars(build_parser().parse_args(argv))))
 
 
 if __name__ == "__main__":
