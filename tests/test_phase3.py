@@ -277,3 +277,175 @@ def _worker_hierarchical(rank, world_size, ranks_per_node):
 @pytest.mark.parametrize("world_size,ranks_per_node", [(1, 1), (2, 1), (2, 2), (3, 2), (4, 2), (4, 3)])
 def test_hierarchical_allreduce_matches_builtin_and_single_process(world_size, ranks_per_node):
     run_distributed(_worker_hierarchical, world_size, ranks_per_node)
+
+
+# --------------------------------------------------------------------------- 3.7-3.9 parameter server
+PS_STEPS = 4
+PS_BATCH = 12  # divisible by 1, 2 and 3 workers: equal slices, so the mean of slice means is the global mean
+
+
+def _ps_model():
+    return seeded(ToyMLP, 0, 6, 10, 3).double()
+
+
+def _ps_batch(step):
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randn(PS_BATCH, 6, generator=g, dtype=torch.float64), torch.randint(3, (PS_BATCH,), generator=g)
+
+
+def _ps_get_batch(step, index, num_workers):
+    x, y = _ps_batch(step)
+    return shard(x, index, num_workers), shard(y, index, num_workers)
+
+
+def _worker_ps_equivalence(rank, world_size, num_servers, mode, fail_at=None, fail_rank=None):
+    ps = load(PHASE, "parameter_server")
+    config = ps.PSConfig(num_servers=num_servers, mode=mode, staleness=0, lr=0.1)
+    baseline = _ps_model()
+    opt = torch.optim.SGD(baseline.parameters(), lr=0.1)
+    done = [0]
+
+    def advance(to_step):  # single process, global batch
+        while done[0] < to_step:
+            x, y = _ps_batch(done[0])
+            opt.zero_grad()
+            F.cross_entropy(baseline(x), y).backward()
+            opt.step()
+            done[0] += 1
+
+    def on_pull(step, model):
+        advance(step)
+        # float64; the servers sum K slice gradients in another order than autograd's
+        # single pass: ~1e-16 apart, so 1e-10 still catches a missing 1/K or a stale update.
+        assert_models_close(model, baseline, rank=rank, step=step, rtol=1e-10, atol=1e-10)
+
+    out = ps.parameter_server(_ps_model(), config, PS_STEPS, _ps_get_batch, F.cross_entropy, on_pull=on_pull)
+    advance(PS_STEPS)
+    if out["role"] == "server":
+        sizes = [p.numel() * p.element_size() for p in baseline.parameters()]
+        owners = ps.assign_shards(sizes, num_servers)
+        expected = torch.cat([p.detach().reshape(-1) for p, o in zip(baseline.parameters(), owners) if o == rank])
+        assert_tensors_close(out["shard"], expected, f"rank {rank} (server), {mode}, final shard vs single process",
+                             rtol=1e-10, atol=1e-10)  # same reason as above
+        assert out["pushes"] == (world_size - num_servers) * PS_STEPS, f"rank {rank}: {out['pushes']} pushes"
+        assert out["max_ahead"] == 0, f"rank {rank}: s=0 but a worker ran {out['max_ahead']} steps ahead"
+    else:
+        assert len(out["losses"]) == PS_STEPS and done[0] == PS_STEPS
+
+
+@pytest.mark.exercise("3.8 synchronous parameter server")
+@pytest.mark.parametrize("world_size,num_servers", [(2, 1), (3, 1), (4, 2)])
+def test_sync_parameter_server_matches_single_process_sgd(world_size, num_servers):
+    run_distributed(_worker_ps_equivalence, world_size, num_servers, "sync")
+
+
+@pytest.mark.exercise("3.9 asynchronous parameter server (staleness bound)")
+@pytest.mark.parametrize("world_size,num_servers", [(3, 1), (4, 2)])
+def test_async_parameter_server_with_zero_staleness_matches_single_process_sgd(world_size, num_servers):
+    run_distributed(_worker_ps_equivalence, world_size, num_servers, "async")
+
+
+def _worker_ps_digits(rank, world_size, staleness):
+    from distlab.data import digits
+
+    ps = load(PHASE, "parameter_server")
+    train, test = digits("train", flatten=True), digits("test", flatten=True)
+
+    def get_batch(step, index, k):
+        idx = torch.randperm(len(train), generator=torch.Generator().manual_seed(step))[:32 * k].tensor_split(k)[index]
+        return train.tensors[0][idx], train.tensors[1][idx]
+
+    model = seeded(ToyMLP, 0, 64, 32, 10)
+    out = ps.parameter_server(model, ps.PSConfig(1, "async", staleness, lr=0.2), 120, get_batch, F.cross_entropy)
+    if out["role"] == "server":
+        assert out["max_ahead"] <= staleness, f"server granted a lead of {out['max_ahead']} > s={staleness}"
+        return None
+    with torch.no_grad():
+        accuracy = (model(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean().item()
+    # Single-process SGD with these settings reaches ~0.95; stale gradients cost a little.
+    assert accuracy > 0.85, f"rank {rank}: async (s={staleness}) test accuracy {accuracy:.3f} <= 0.85"
+    return accuracy
+
+
+@pytest.mark.exercise("3.9 asynchronous parameter server (staleness bound)")
+def test_async_parameter_server_converges_on_digits_like_single_process():
+    run_distributed(_worker_ps_digits, 3, 2)
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+def _worker_ps_failure(rank, world_size, mode, how):
+    ps = load(PHASE, "parameter_server")
+    fail_rank = world_size - 1
+
+    def get_batch(step, index, k):
+        if rank == fail_rank and step == 2:
+            if how == "exit":
+                raise SystemExit(3)  # the worker's code exits early
+            raise _Crash("simulated crash in the data pipeline")
+        return _ps_get_batch(step, index, k)
+
+    start = time.perf_counter()
+    try:
+        out = ps.parameter_server(_ps_model(), ps.PSConfig(1, mode, staleness=1), 6, get_batch, F.cross_entropy)
+        out.pop("shard", None)
+        return ("ok", out, time.perf_counter() - start)
+    except BaseException as exc:  # reported to the test, which checks every rank's outcome
+        return (type(exc).__name__, str(exc), time.perf_counter() - start)
+
+
+@pytest.mark.exercise("3.9 asynchronous parameter server (staleness bound)")
+@pytest.mark.parametrize("how", ["raise", "exit"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_parameter_server_with_dead_worker_fails_or_continues_without_it(mode, how):
+    world_size = 4  # one server, workers 1, 2 and 3; rank 3 dies at step 2
+    outcomes = run_distributed(_worker_ps_failure, world_size, mode, how, timeout_s=30)
+    for rank, (kind, _, seconds) in enumerate(outcomes):
+        assert seconds < 10, f"{mode}: rank {rank} took {seconds:.1f} s: a dead worker must not stall the job"
+    assert outcomes[3][0] == ("SystemExit" if how == "exit" else "_Crash"), f"rank 3: {outcomes[3]}"
+    if mode == "sync":
+        for rank in range(world_size - 1):
+            kind, message, _ = outcomes[rank]
+            assert kind != "ok" and "worker rank 3" in message, \
+                f"sync: rank {rank} must fail with an error naming worker rank 3, got {kind}: {message}"
+    else:
+        kind, out, _ = outcomes[0]
+        assert kind == "ok" and out["left"] == [3], f"async: the server must finish without rank 3, got {kind}: {out}"
+        assert out["pushes"] == 2 * 6 + 2, f"async: expected 14 pushes (2 workers x 6 + 2 before the crash), got {out}"
+        for rank in (1, 2):
+            kind, out, _ = outcomes[rank]
+            assert kind == "ok" and len(out["losses"]) == 6, f"async: worker {rank} must finish, got {kind}: {out}"
+
+
+@pytest.mark.exercise("3.7 greedy parameter sharding")
+def test_assign_shards_balances_like_the_optimum():
+    import itertools
+
+    ps = load(PHASE, "parameter_server")
+    cases = [[5, 4, 3, 3, 3], [7, 7, 6, 6, 5, 5, 4], [1, 1], [9], [p.numel() for p in _ps_model().parameters()]]
+    for sizes in cases:  # small enough to brute-force (servers ** tensors <= 3 ** 7)
+        for servers in range(1, min(3, len(sizes)) + 1):
+            owners = ps.assign_shards(sizes, servers)
+            what = f"sizes {sizes}, {servers} servers -> owners {owners}"
+            assert len(owners) == len(sizes) and set(owners) <= set(range(servers)), what
+            loads = ps.server_loads(sizes, owners, servers)
+            assert sum(loads) == sum(sizes), f"{what}: loads {loads}"
+            # Independent baseline: the best possible split, by brute force.
+            best = min(max(sum(s for s, o in zip(sizes, assign) if o == k) for k in range(servers))
+                       for assign in itertools.product(range(servers), repeat=len(sizes)))
+            # Greedy largest-first is within 4/3 of the optimum (Graham 1969); a round-robin
+            # or first-fit assignment fails these cases.
+            assert max(loads) <= 4 / 3 * best, f"{what}: max load {max(loads)} vs optimum {best}"
+    assert ps.server_loads([10] + [1] * 10, ps.assign_shards([10] + [1] * 10, 2), 2) == [10, 10]
+
+
+@pytest.mark.exercise("3.7 greedy parameter sharding")
+@pytest.mark.scaffold
+def test_parameter_server_rejects_bad_config():
+    ps = load(PHASE, "parameter_server")
+    with pytest.raises(ValueError, match="3 servers but only 2 parameter tensors"):
+        ps.assign_shards([4, 4], 3)
+    with pytest.raises(ValueError, match="mode must be"):
+        ps.PSConfig(mode="hogwild")

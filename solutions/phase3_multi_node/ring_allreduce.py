@@ -174,6 +174,7 @@ def ring_allreduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGro
 
 # --------------------------------------------------------------------------- pipelined
 _RS, _AG = 0, 1  # message tags: reduce-scatter and all-gather slices never match each other
+_WINDOW = 8  # reduce-scatter receives kept in flight (slot buffers of one slice each)
 
 
 def _slices(start: int, end: int, per_slice: int) -> list[tuple[int, int]]:
@@ -208,11 +209,6 @@ def ring_allreduce_pipelined(tensor: torch.Tensor, op: str = "sum", group: dist.
         def send(lo: int, hi: int, tag: int) -> None:
             sends.append(dist.isend(flat[lo:hi], group=group, group_dst=right, tag=tag))
 
-        def post_rs_recvs(step: int, buf: torch.Tensor) -> list:
-            c0, c1 = bounds[(rank - step - 2) % world_size]
-            return [(lo, hi, dist.irecv(buf[lo - c0:hi - c0], group=group, group_src=left, tag=_RS))
-                    for lo, hi in _slices(c0, c1, per)]
-
         # gloo moves data only once both ends have posted (a rendezvous per message), so
         # receives are posted early. All-gather receives land in place, and only after
         # this rank has sent that region on (causality), so they are all posted now;
@@ -220,25 +216,30 @@ def ring_allreduce_pipelined(tensor: torch.Tensor, op: str = "sum", group: dist.
         gathers = [(step, lo, hi, dist.irecv(flat[lo:hi], group=group, group_src=left, tag=_AG))
                    for step in range(world_size - 1)
                    for lo, hi in _slices(*bounds[(rank - step - 1) % world_size], per)]
-        # --- reduce-scatter: step 0 sends our own chunk r-1 whole (in slices).
-        buffers = [torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype, device=flat.device)
-                   for _ in range(min(2, world_size - 1))]
+        # Reduce-scatter slices arrive in (step, slice) order into a small window of reused
+        # slot buffers: few, small allocations (a fresh chunk-sized buffer per call would
+        # cost more in page faults than the adds), and `window` receives always posted.
+        incoming = [(step, lo, hi) for step in range(world_size - 1)
+                    for lo, hi in _slices(*bounds[(rank - step - 2) % world_size], per)]
+        window = min(_WINDOW, len(incoming))
+        slots = torch.empty(window, per, dtype=flat.dtype, device=flat.device)
+
+        def post(i: int):
+            _, lo, hi = incoming[i]
+            return dist.irecv(slots[i % window, :hi - lo], group=group, group_src=left, tag=_RS)
+
         for lo, hi in _slices(*bounds[(rank - 1) % world_size], per):
-            send(lo, hi, _RS)
-        pending = post_rs_recvs(0, buffers[0])
-        for step in range(world_size - 1):
+            send(lo, hi, _RS)  # step 0: our own chunk r-1, as it is
+        posted = [post(i) for i in range(window)]
+        for i, (step, lo, hi) in enumerate(incoming):
+            posted[i % window].wait()
+            flat[lo:hi] += slots[i % window, :hi - lo]
+            if i + window < len(incoming):
+                posted[i % window] = post(i + window)  # the slot is free again
             last = step == world_size - 2
-            # Post next step's receives now, so its slices land while we add this step's.
-            upcoming = [] if last else post_rs_recvs(step + 1, buffers[(step + 1) % 2])
-            c0 = bounds[(rank - step - 2) % world_size][0]
-            buf = buffers[step % 2]
-            for lo, hi, work in pending:
-                work.wait()
-                flat[lo:hi] += buf[lo - c0:hi - c0]
-                if last and op == "avg":
-                    flat[lo:hi] /= world_size  # this slice of chunk r is final
-                send(lo, hi, _AG if last else _RS)  # next step's data; all-gather step 0 when final
-            pending = upcoming
+            if last and op == "avg":
+                flat[lo:hi] /= world_size  # this slice of chunk r is final
+            send(lo, hi, _AG if last else _RS)  # next step's data; all-gather step 0 when final
         # --- all-gather: forward each slice as it lands, except in the last step.
         for step, lo, hi, work in gathers:
             work.wait()
