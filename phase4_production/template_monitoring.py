@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--interval", type=int, default=20)
     parser.add_argument("--global-batch", type=int, default=256)
-    parser.add_argument("--slow-rank", type=int, default=1, help="this rank does --slow-factor x the compute (-1: none)")
+    parser.add_argument("--slow-rank", type=int, default=1,
+                        help="this rank does --slow-factor x the compute (-1: none)")
     parser.add_argument("--slow-factor", type=int, default=4)
     # With 2 ranks the median is the mean of both: a rank r times slower than the other
     # is 2r/(1+r) times the median, so 1.3 names a rank about 2x slower.
@@ -278,8 +279,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         train = digits("train", flatten=True)
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
-                                    torch.nn.Linear(512, 10)).to(env.device)
+        nn = torch.nn
+        model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+        model = model.to(env.device)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         monitor = Monitor(env.rank, env.world_size, args.out_dir, interval=args.interval,
                           straggler_factor=args.straggler_factor, device=env.device)

@@ -68,7 +68,8 @@ def _assert_same(actual, expected, what):
         assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype and torch.equal(actual, expected), \
             f"{what}: {actual!r} != {expected!r}"
     elif isinstance(expected, dict):
-        assert isinstance(actual, dict) and actual.keys() == expected.keys(), f"{what}: keys {list(actual)} != {list(expected)}"
+        assert isinstance(actual, dict) and actual.keys() == expected.keys(), \
+            f"{what}: keys {list(actual)} != {list(expected)}"
         for k in expected:
             _assert_same(actual[k], expected[k], f"{what}[{k!r}]")
     elif isinstance(expected, (list, tuple)):
@@ -189,7 +190,8 @@ def _worker_manager(rank, world_size, directory):
         found = manager.latest()
     assert found is not None and found.step == 4, f"rank {rank}: expected the fallback to step 4, got {found}"
     text = " | ".join(str(w.message) for w in caught)
-    assert "step_00000008" in text and "step_00000006" in text, f"rank {rank}: warnings must name the skipped steps: {text}"
+    assert "step_00000008" in text and "step_00000006" in text, \
+        f"rank {rank}: warnings must name the skipped steps: {text}"
     assert torch.equal(found.load(rank)["w"], torch.full((3,), 40.0 + rank)), f"rank {rank}: step 4's data"
 
 
@@ -465,7 +467,8 @@ def _worker_topk(rank, world_size, ratio):
         assert_tensors_close(state.residuals[0], residuals[rank], f"{what}: residual (error feedback)",
                              rtol=0, atol=0)  # copies and one addition, done the same way: exact
         assert ledger.calls("all_reduce") == 0 and ledger.bytes() == k * (8 + 4), \
-            f"{what}: expected all-gathers of {k} float64 values + {k} int32 indices = {k * 12} B, saw {ledger.summary()}"
+            f"{what}: expected all-gathers of {k} float64 values + {k} int32 indices = {k * 12} B, " \
+            f"saw {ledger.summary()}"
         total_grad += grads[rank]
         total_sent += sent[rank]
     # Error feedback loses nothing: everything not sent yet is in the residual.
@@ -605,7 +608,8 @@ def test_find_stragglers_matches_median_rule():
     mon = load(PHASE, "monitoring")
     cases = [([1.0], 1.5, []), ([1.0, 1.0, 1.0], 1.5, []), ([1.0, 1.0, 3.0], 1.5, [2]),
              ([1.0, 1.0, 1.5], 1.5, []),                    # exactly factor x median is not slower
-             ([5.0, 1.0, 1.1, 0.9, 1.0], 2.0, [0]),          # the mean (1.8) would hide nothing here, the median must be used
+             ([5.0, 1.0, 1.1, 0.9, 1.0], 2.0, [0]),
+             ([1.0, 1.0, 7.0], 2.5, [2]),                    # the mean (3.0) would hide it: 7 < 2.5 x 3
              ([1.0, 4.0], 1.5, [1]), ([1.0, 2.0], 1.5, []),  # W=2: the median is the mean of both
              ([1.0, 9.0, 9.5, 1.0, 1.2], 2.0, [1, 2])]       # two stragglers, in rank order
     for busy, factor, expected in cases:

@@ -53,7 +53,8 @@ class SimpleBucket:
     holds, end to end in this order.
     """
 
-    def __init__(self, index: int, buffer: torch.Tensor, params: list[torch.nn.Parameter], is_last: bool = True) -> None:
+    def __init__(self, index: int, buffer: torch.Tensor, params: list[torch.nn.Parameter],
+                 is_last: bool = True) -> None:
         if buffer.numel() != sum(p.numel() for p in params):
             raise ValueError(f"bucket buffer has {buffer.numel()} elements but its parameters have "
                              f"{sum(p.numel() for p in params)}")

@@ -139,8 +139,9 @@ class FlatShardedAdam(torch.optim.Optimizer):
     Cost: optimizer memory 2 |params| / W per rank; |params| bytes all-gathered per step.
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 group: dist.ProcessGroup | None = None) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
         self.group = group
         self.params = [p for g in self.param_groups for p in g["params"]]

@@ -182,9 +182,15 @@ def main(argv: list[str] | None = None) -> None:
              f"{cfg.ckpt_every} to {cfg.ckpt_dir}, crashes planned: {list(cfg.crash_at_steps) or 'none'}")
         final = train(env.rank, env.world_size, cfg)
         norm = torch.sqrt(sum((v.double() ** 2).sum() for v in final.values())).item()
+        model = make_model(cfg)
+        model.load_state_dict(final)
+        model.eval()
+        data = synthetic_classification(n=cfg.samples, in_features=16, num_classes=4, seed=cfg.seed)
+        with torch.no_grad():
+            loss = F.cross_entropy(model(data.tensors[0].double()), data.tensors[1]).item()
         ckpts = sorted(p.name for p in Path(cfg.ckpt_dir).glob("step_*"))
         log0("\n" + format_table([{"attempt": _attempt(), "ranks": env.world_size, "steps": cfg.steps,
-                                   "final |params|": f"{norm:.6f}", "checkpoints kept": " ".join(ckpts)}]))
+                                   "final |params|": f"{norm:.6f}", "train loss": f"{loss:.4f}", "checkpoints kept": " ".join(ckpts)}]))
         log0(f"config: {asdict(cfg)}")
     finally:
         shutdown()
