@@ -9,6 +9,7 @@ templates with ``--impl templates``.
 """
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -21,6 +22,7 @@ from distlab.comm import CommLedger
 from distlab.launch import run_distributed
 from distlab.models import ToyMLP, seeded
 from distlab.testing import assert_models_close, assert_tensors_close, shard
+from distlab.todo import LearnerTODO
 
 PHASE = "phase3_multi_node"
 WORLD_SIZES = [1, 2, 3, 4]
@@ -293,6 +295,11 @@ def _ps_batch(step):
     return torch.randn(PS_BATCH, 6, generator=g, dtype=torch.float64), torch.randint(3, (PS_BATCH,), generator=g)
 
 
+def _round_robin(num_servers):
+    # Given explicitly, so that 3.8-3.9 do not depend on the learner's 3.7 sharding.
+    return [i % num_servers for i in range(len(list(_ps_model().parameters())))]
+
+
 def _ps_get_batch(step, index, num_workers):
     x, y = _ps_batch(step)
     return shard(x, index, num_workers), shard(y, index, num_workers)
@@ -319,11 +326,16 @@ def _worker_ps_equivalence(rank, world_size, num_servers, mode, fail_at=None, fa
         # single pass: ~1e-16 apart, so 1e-10 still catches a missing 1/K or a stale update.
         assert_models_close(model, baseline, rank=rank, step=step, rtol=1e-10, atol=1e-10)
 
-    out = ps.parameter_server(_ps_model(), config, PS_STEPS, _ps_get_batch, F.cross_entropy, on_pull=on_pull)
+    owners = _round_robin(num_servers)
+    try:
+        out = ps.parameter_server(_ps_model(), config, PS_STEPS, _ps_get_batch, F.cross_entropy, on_pull=on_pull,
+                                  owners=owners)
+    except RuntimeError as exc:
+        if re.search(r"worker rank \d+ left", str(exc)):
+            return None  # a consequence: the worker that left raises the root cause itself
+        raise
     advance(PS_STEPS)
     if out["role"] == "server":
-        sizes = [p.numel() * p.element_size() for p in baseline.parameters()]
-        owners = ps.assign_shards(sizes, num_servers)
         expected = torch.cat([p.detach().reshape(-1) for p, o in zip(baseline.parameters(), owners) if o == rank])
         assert_tensors_close(out["shard"], expected, f"rank {rank} (server), {mode}, final shard vs single process",
                              rtol=1e-10, atol=1e-10)  # same reason as above
@@ -356,7 +368,8 @@ def _worker_ps_digits(rank, world_size, staleness):
         return train.tensors[0][idx], train.tensors[1][idx]
 
     model = seeded(ToyMLP, 0, 64, 32, 10)
-    out = ps.parameter_server(model, ps.PSConfig(1, "async", staleness, lr=0.2), 120, get_batch, F.cross_entropy)
+    out = ps.parameter_server(model, ps.PSConfig(1, "async", staleness, lr=0.2), 120, get_batch, F.cross_entropy,
+                              owners=[0] * len(list(model.parameters())))
     if out["role"] == "server":
         assert out["max_ahead"] <= staleness, f"server granted a lead of {out['max_ahead']} > s={staleness}"
         return None
@@ -389,9 +402,12 @@ def _worker_ps_failure(rank, world_size, mode, how):
 
     start = time.perf_counter()
     try:
-        out = ps.parameter_server(_ps_model(), ps.PSConfig(1, mode, staleness=1), 6, get_batch, F.cross_entropy)
+        out = ps.parameter_server(_ps_model(), ps.PSConfig(1, mode, staleness=1), 6, get_batch, F.cross_entropy,
+                                  owners=_round_robin(1))
         out.pop("shard", None)
         return ("ok", out, time.perf_counter() - start)
+    except LearnerTODO:
+        raise
     except BaseException as exc:  # reported to the test, which checks every rank's outcome
         return (type(exc).__name__, str(exc), time.perf_counter() - start)
 

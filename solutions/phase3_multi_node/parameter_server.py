@@ -109,13 +109,14 @@ def serve(shard: torch.Tensor, config: PSConfig, steps: int) -> dict:
     workers = list(range(config.num_servers, world_size))
     done = {w: 0 for w in workers}  # gradients applied per worker
     alive, held = set(workers), set()  # held: pushed, waiting for permission to go on
-    replies, pushes, max_ahead = [], 0, 0
+    replies, pushes, leads = [], 0, [0]
     header, grad = torch.zeros(2, dtype=torch.long), torch.empty_like(shard)
     pending_sync: dict[int, torch.Tensor] = {}
 
-    def reply(worker: int, status: int, failed: int = -1) -> None:
+    def reply(worker: int, status: int, failed: int = -1, lead: int = 0) -> None:
         # isend: a blocking send could wait on a worker that is itself waiting on another server.
         # The values are a snapshot: later updates must not leak into a message still in flight.
+        leads.append(lead)
         replies.append(dist.isend(torch.tensor([status, failed]), dst=worker, tag=_HEADER))
         replies.append(dist.isend(shard.clone(), dst=worker, tag=_DATA))
 
@@ -129,32 +130,46 @@ def serve(shard: torch.Tensor, config: PSConfig, steps: int) -> dict:
             held.discard(src)
             if config.mode == "sync":
                 return _abort(src, step, alive, set(pending_sync), reply, header, grad, replies)
-        else:
-            dist.recv(grad, src=src, tag=_DATA)
-            pushes += 1
-            done[src] = step + 1
-            held.add(src)
-            if config.mode == "sync":
-                pending_sync[src] = grad.clone()
-                if set(pending_sync) < alive:
-                    continue
+            held = _release(held, done, alive, steps, config.staleness, reply)  # it may have been the slowest
+            continue
+        dist.recv(grad, src=src, tag=_DATA)
+        pushes += 1
+        done[src] = step + 1
+        held.add(src)
+        if config.mode == "sync":
+            # Wait for every worker's gradient of this step, apply their mean once, release all.
+            pending_sync[src] = grad.clone()
+            if set(pending_sync) == alive:
                 total = sum(pending_sync[w] for w in sorted(pending_sync))  # rank order: deterministic
                 shard -= config.lr * total / len(workers)
                 pending_sync.clear()
-            else:
-                shard -= (config.lr / len(workers)) * grad
-        # Release every held worker that would not get more than `staleness` steps ahead.
-        behind = [done[w] for w in alive if done[w] < steps]
-        slowest = min(behind) if behind else steps
-        bound = 0 if config.mode == "sync" else config.staleness
-        for w in sorted(held):
-            if done[w] - slowest <= bound:
-                held.discard(w)
-                max_ahead = max(max_ahead, done[w] - slowest)
-                reply(w, OK)
+                for w in sorted(held):
+                    reply(w, OK)
+                held.clear()
+            continue
+        # Async: apply at once; release every held worker not more than `staleness` steps
+        # ahead of the slowest live worker that still has steps to do.
+        shard -= (config.lr / len(workers)) * grad
+        held = _release(held, done, alive, steps, config.staleness, reply)
     for work in replies:
         work.wait()
-    return {"pushes": pushes, "left": sorted(set(workers) - alive), "max_ahead": max_ahead}
+    return {"pushes": pushes, "left": sorted(set(workers) - alive), "max_ahead": max(leads)}
+
+
+def _release(held: set, done: dict, alive: set, steps: int, staleness: int, reply) -> set:
+    """Reply to each held worker whose lead over the slowest unfinished live worker is <= staleness.
+
+    Returns the workers still held. A finished worker never holds others back.
+    """
+    behind = [done[w] for w in alive if done[w] < steps]
+    slowest = min(behind) if behind else steps
+    still_held = set()
+    for w in sorted(held):
+        if done[w] - slowest <= staleness:
+            reply(w, OK, lead=done[w] - slowest)
+        else:
+            still_held.add(w)
+    return still_held
 
 
 def _abort(failed: int, step: int, alive: set, pushed: set, reply, header, grad, replies) -> dict:
@@ -227,19 +242,20 @@ def work(model: nn.Module, owners: list[int], config: PSConfig, steps: int,
 
 
 def parameter_server(model: nn.Module, config: PSConfig, steps: int, get_batch, loss_fn,
-                     on_pull=None) -> dict:
+                     on_pull=None, owners: list[int] | None = None) -> dict:
     """Play this rank's role (server or worker) for ``steps`` steps; every rank calls it.
 
     ``model`` must be built identically on every rank (servers take their shard's initial
-    values from it). Returns ``{"role": ..., ...}``: the server's stats, or the worker's losses.
-    Collective: all ranks must call it (with the same config and steps).
+    values from it). ``owners[i]``: the server of parameter i (default: ``assign_shards``).
+    Returns ``{"role": ..., ...}``: the server's stats, or the worker's losses.
+    Collective: all ranks must call it (with the same config, steps and owners).
     """
     world_size = dist.get_world_size()
     if world_size <= config.num_servers:
         raise ValueError(f"world size {world_size} - {config.num_servers} servers = "
                          f"{world_size - config.num_servers} workers: need at least one")
     sizes = [p.numel() * p.element_size() for p in model.parameters()]
-    owners = assign_shards(sizes, config.num_servers)
+    owners = assign_shards(sizes, config.num_servers) if owners is None else owners
     rank = dist.get_rank()
     if rank < config.num_servers:
         shard = _pack([p for p, o in zip(model.parameters(), owners) if o == rank])
