@@ -8,14 +8,15 @@ fewer calls:
     parameters, reverse order (the order backward produces their gradients):
       fc.bias fc.weight | conv2.weight bn2.* | conv1.weight bn1.*
       '---- bucket 0 ---' '--- bucket 1 ----' '--- bucket 2 ----'
-    each bucket: one flat buffer; a hook copies each gradient into its slice; when the
-    last gradient of bucket b arrives, all_reduce(buffer_b, async_op=True).
+    each bucket: one flat buffer; each p.grad becomes a view of its slice (the hook
+    moves it there once); when the last gradient of bucket b arrives,
+    all_reduce(buffer_b, async_op=True) reduces the gradients in place.
 
 * Buckets launch in index order on every rank (bucket 1 waits for bucket 0), so
   every rank issues the same sequence of all-reduces even if hooks fire in a
   different order.
-* ``finish_gradient_synchronization()``: launch what is left, wait, copy each
-  slice / W back into ``p.grad``.
+* ``finish_gradient_synchronization()``: launch what is left, wait, divide by W
+  (``p.grad`` are views: nothing to copy back).
 * ``no_sync()``: hooks do nothing; gradients accumulate in ``p.grad``.
 * Unused parameters: a bucket holding one never fills. With
   ``find_unused_parameters=True`` they are marked ready (zeros) at the finish and one
@@ -23,7 +24,7 @@ fewer calls:
   ``grad=None`` (as torch's DDP does), so the optimizer skips them everywhere.
 
 Cost per step: one all-reduce per bucket, |grads| bytes in all (+ one bitmap of
-n_params int32 with find_unused_parameters); ~|bucket| bytes of extra memory per bucket.
+n_params int32 with find_unused_parameters); no extra memory: gradients live in the buckets.
 See phase3_multi_node/guidelines_ddp_zero.md#ddp-buckets.
 
 Run: ``RUN_MODE=data_parallel_bucket_overlap ./entrypoint.sh [--bucket-mb 0.01]``.
@@ -49,6 +50,7 @@ class Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor                   # flat, sum of the params' numels
     offsets: list[int]                     # where each param's gradient starts in ``buffer``
+    views: list[torch.Tensor]              # views[i]: params[i]'s slice of ``buffer``, shaped like it
     ready: set[int] = field(default_factory=set)   # indices into params whose grad is in the buffer
     handle: dist.Work | None = None        # the in-flight all-reduce
 
@@ -116,7 +118,8 @@ class DDPBucketed(nn.Module):
         for b, params in enumerate(assign_buckets(trainable, bucket_size_mb)):
             offsets = [0, *itertools.accumulate(p.numel() for p in params)]
             buffer = torch.zeros(offsets[-1], dtype=params[0].dtype, device=params[0].device)
-            self.buckets.append(Bucket(params, buffer, offsets[:-1]))
+            views = [buffer[a:b].view_as(p) for p, a, b in zip(params, offsets, offsets[1:])]
+            self.buckets.append(Bucket(params, buffer, offsets[:-1], views))
             for i, p in enumerate(params):
                 self._where[p] = (b, i)
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -141,10 +144,11 @@ class DDPBucketed(nn.Module):
             return
         b, i = self._where[p]
         bucket = self.buckets[b]
-        # --- TODO 3.13: copy p.grad into its slice of the bucket, mark it ready, launch full buckets ---
-        # bucket.buffer[start:start + p.numel()] is this param's slice (start = bucket.offsets[i]);
-        # copy p.grad (flattened) into it, add i to bucket.ready, then call
-        # self._launch_ready_buckets() (it launches full buckets in index order).
+        # --- TODO 3.13: make p.grad a view of its slice of the bucket, mark it ready, launch full buckets ---
+        # view = bucket.views[i] is p's slice of the bucket, shaped like p. If p.grad is not that
+        # view yet (compare data_ptr()), copy p.grad into it and make p.grad = view: from then on
+        # autograd accumulates straight into the bucket and nothing needs copying back.
+        # Then add i to bucket.ready and call self._launch_ready_buckets() (index order).
         raise todo("3.13 fill the bucket from the gradient hook", "guidelines_ddp_zero.md#ddp-buckets")
         # --- end TODO 3.13 ---
 
@@ -157,14 +161,14 @@ class DDPBucketed(nn.Module):
         """
         if not self.require_sync:
             return
-        # --- TODO 3.14: mark unused parameters ready, launch the rest, wait, copy back / W ---
-        # 1. Parameters whose index is not in bucket.ready got no gradient on this rank.
+        # --- TODO 3.14: mark unused parameters ready, launch the rest, wait, divide by W ---
+        # 1. locally_used: p -> (its index is in bucket.ready). Unused ones got no gradient here.
         #    Without self.find_unused_parameters raise RuntimeError naming them (self.names[p]).
-        #    Otherwise zero their slices, mark them ready, and self._launch_ready_buckets().
-        # 2. With find_unused_parameters: all_reduce an int32 tensor of 'used on this rank' flags
-        #    (one per parameter, same order everywhere); a parameter with sum 0 keeps grad None.
-        # 3. For every bucket: handle.wait(), divide the buffer by W, copy each slice back into
-        #    p.grad (p.grad may be None on a rank that did not use p: assign a clone).
+        #    Otherwise zero their views, mark them ready, and self._launch_ready_buckets().
+        # 2. With find_unused_parameters: all_reduce an int32 tensor of the locally_used flags
+        #    (same order everywhere): a parameter with sum 0 was used by no rank.
+        # 3. For every bucket: handle.wait(), buffer /= W (the used params' p.grad are views: done);
+        #    a param unused here but used elsewhere gets p.grad = its view; one used nowhere keeps None.
         # 4. Reset for the next step: bucket.ready.clear(), handle None, self._next = 0.
         raise todo("3.14 finish: unused parameters, wait, copy back", "guidelines_ddp_zero.md#ddp-buckets")
         # --- end TODO 3.14 ---

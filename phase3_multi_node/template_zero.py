@@ -24,7 +24,7 @@ buckets, so an all-gather into a bucket updates the model in place.
 Cost per step: stage 1: all-reduce |grads| + all-gather |params| (3 Psi in a ring);
 stage 2: reduce-scatter + all-gather = 2 Psi, the same as DDP's all-reduce.
 Parameters unused in a step get a zero gradient (a chunk is one tensor for the optimizer).
-See phase3_multi_node/guidelines_ddp_zero.md#zero-1-and-zero-2.
+See phase3_multi_node/guidelines_ddp_zero.md#zero-1-optimizer-state-sharded.
 
 Run: ``RUN_MODE=zero ./entrypoint.sh --stage 2`` (zero_demo.py; stage 3 is fsdp.py).
 """

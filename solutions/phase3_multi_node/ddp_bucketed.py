@@ -8,14 +8,15 @@ fewer calls:
     parameters, reverse order (the order backward produces their gradients):
       fc.bias fc.weight | conv2.weight bn2.* | conv1.weight bn1.*
       '---- bucket 0 ---' '--- bucket 1 ----' '--- bucket 2 ----'
-    each bucket: one flat buffer; a hook copies each gradient into its slice; when the
-    last gradient of bucket b arrives, all_reduce(buffer_b, async_op=True).
+    each bucket: one flat buffer; each p.grad becomes a view of its slice (the hook
+    moves it there once); when the last gradient of bucket b arrives,
+    all_reduce(buffer_b, async_op=True) reduces the gradients in place.
 
 * Buckets launch in index order on every rank (bucket 1 waits for bucket 0), so
   every rank issues the same sequence of all-reduces even if hooks fire in a
   different order.
-* ``finish_gradient_synchronization()``: launch what is left, wait, copy each
-  slice / W back into ``p.grad``.
+* ``finish_gradient_synchronization()``: launch what is left, wait, divide by W
+  (``p.grad`` are views: nothing to copy back).
 * ``no_sync()``: hooks do nothing; gradients accumulate in ``p.grad``.
 * Unused parameters: a bucket holding one never fills. With
   ``find_unused_parameters=True`` they are marked ready (zeros) at the finish and one
@@ -23,7 +24,7 @@ fewer calls:
   ``grad=None`` (as torch's DDP does), so the optimizer skips them everywhere.
 
 Cost per step: one all-reduce per bucket, |grads| bytes in all (+ one bitmap of
-n_params int32 with find_unused_parameters); ~|bucket| bytes of extra memory per bucket.
+n_params int32 with find_unused_parameters); no extra memory: gradients live in the buckets.
 See phase3_multi_node/guidelines_ddp_zero.md#ddp-buckets.
 
 Run: ``RUN_MODE=data_parallel_bucket_overlap ./entrypoint.sh [--bucket-mb 0.01]``.
@@ -47,6 +48,7 @@ class Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor                   # flat, sum of the params' numels
     offsets: list[int]                     # where each param's gradient starts in ``buffer``
+    views: list[torch.Tensor]              # views[i]: params[i]'s slice of ``buffer``, shaped like it
     ready: set[int] = field(default_factory=set)   # indices into params whose grad is in the buffer
     handle: dist.Work | None = None        # the in-flight all-reduce
 
@@ -119,7 +121,8 @@ class DDPBucketed(nn.Module):
         for b, params in enumerate(assign_buckets(trainable, bucket_size_mb)):
             offsets = [0, *itertools.accumulate(p.numel() for p in params)]
             buffer = torch.zeros(offsets[-1], dtype=params[0].dtype, device=params[0].device)
-            self.buckets.append(Bucket(params, buffer, offsets[:-1]))
+            views = [buffer[a:b].view_as(p) for p, a, b in zip(params, offsets, offsets[1:])]
+            self.buckets.append(Bucket(params, buffer, offsets[:-1], views))
             for i, p in enumerate(params):
                 self._where[p] = (b, i)
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -144,10 +147,16 @@ class DDPBucketed(nn.Module):
             return
         b, i = self._where[p]
         bucket = self.buckets[b]
-        # --- TODO 3.13: copy p.grad into its slice of the bucket, mark it ready, launch full buckets ---
+        # --- TODO 3.13: make p.grad a view of its slice of the bucket, mark it ready, launch full buckets ---
         # Overlaps with the rest of backward; one all-reduce per bucket, |bucket| bytes.
-        start = bucket.offsets[i]
-        bucket.buffer[start:start + p.numel()].copy_(p.grad.reshape(-1))
+        view = bucket.views[i]
+        if p.grad.data_ptr() != view.data_ptr():
+            # First step, or after zero_grad(set_to_none=True): move the gradient into the
+            # bucket once and let p.grad *be* the slice. Later backwards accumulate into
+            # it in place, and the reduced result needs no copy back (torch's
+            # gradient_as_bucket_view=True).
+            view.copy_(p.grad)
+            p.grad = view
         bucket.ready.add(i)
         self._launch_ready_buckets()
         # --- end TODO 3.13 ---
@@ -161,7 +170,7 @@ class DDPBucketed(nn.Module):
         """
         if not self.require_sync:
             return
-        # --- TODO 3.14: mark unused parameters ready, launch the rest, wait, copy back / W ---
+        # --- TODO 3.14: mark unused parameters ready, launch the rest, wait, divide by W ---
         locally_used = {p: i in bucket.ready for bucket in self.buckets for i, p in enumerate(bucket.params)}
         unused = [p for p, used in locally_used.items() if not used]
         if unused and not self.find_unused_parameters:
@@ -170,11 +179,10 @@ class DDPBucketed(nn.Module):
                                "fill. Pass find_unused_parameters=True (or use them in forward).")
         for p in unused:
             b, i = self._where[p]
-            bucket = self.buckets[b]
-            bucket.buffer[bucket.offsets[i]:bucket.offsets[i] + p.numel()].zero_()
-            bucket.ready.add(i)
+            self.buckets[b].views[i].zero_()  # this rank contributes nothing for p
+            self.buckets[b].ready.add(i)
         self._launch_ready_buckets()
-        used_anywhere = None
+        used_anywhere = dict.fromkeys(locally_used, 1)
         if self.find_unused_parameters:
             # Which parameters did *some* rank use? Those no rank used keep grad=None.
             flags = torch.tensor(list(locally_used.values()), dtype=torch.int32,
@@ -183,15 +191,10 @@ class DDPBucketed(nn.Module):
             used_anywhere = dict(zip(locally_used, flags.tolist()))
         for bucket in self.buckets:
             bucket.handle.wait()
-            bucket.buffer /= self.world_size
-            for p, start in zip(bucket.params, bucket.offsets):
-                if used_anywhere is not None and not used_anywhere[p]:
-                    continue
-                mean = bucket.buffer[start:start + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = mean.clone()
-                else:
-                    p.grad.copy_(mean)
+            bucket.buffer /= self.world_size  # the used parameters' p.grad are views: done
+            for p, view in zip(bucket.params, bucket.views):
+                if not locally_used[p] and used_anywhere[p]:
+                    p.grad = view  # another rank used p: its mean gradient is p's gradient here too
             bucket.ready.clear()
             bucket.handle = None
         self._next = 0
