@@ -190,8 +190,8 @@ def ring_allreduce_pipelined(tensor: torch.Tensor, op: str = "sum", group: dist.
 
     Each chunk is cut into slices of ``slice_bytes``. A slice received in
     reduce-scatter step s is added and at once sent on as step s+1's slice, while
-    the next slices are still on the wire; the receives of the next step are
-    posted one step ahead (double buffer), and all-gather receives land directly
+    the next slices are still on the wire; reduce-scatter receives go into a window
+    of reused slot buffers, always posted ahead, and all-gather receives land directly
     in place. The last reduce-scatter step hands each finished slice straight to
     the all-gather, so the two phases overlap too.
 
@@ -208,14 +208,15 @@ def ring_allreduce_pipelined(tensor: torch.Tensor, op: str = "sum", group: dist.
     # elements (_slices(start, end, per) lists them), never waiting for a whole step:
     #   1. reduce-scatter step 0: isend every slice of chunk (r-1) % W to the right at once
     #      (keep the Work objects in a list; wait for all sends at the very end).
-    #   2. for each step s, irecv every slice of chunk (r - s - 2) % W from the left into a
-    #      chunk-sized temporary buffer; post step s+1's irecvs (into a second buffer) before
-    #      you start waiting on step s's, so its data can land while you add.
+    #   2. reduce-scatter receives: the slices of chunk (r - s - 2) % W for s = 0..W-2, in that
+    #      order, all from the left with tag=_RS. Keep _WINDOW of them posted at once, each into
+    #      its own slot of `slots = torch.empty(window, per)`; re-post a slot as soon as it is used.
     #   3. wait slice by slice: add it into `flat`, and isend that same slice to the right at
     #      once (it is step s+1's data; in the last step it is final: divide for "avg" first,
-    #      and the send is the all-gather's step 0).
-    #   4. all-gather: irecv every slice of chunk (r - s - 1) % W for each step s straight
-    #      into `flat`; wait in order and forward each slice except in the last step.
+    #      and send it with tag=_AG: it is the all-gather's step 0).
+    #   4. all-gather: irecv (tag=_AG) every slice of chunk (r - s - 1) % W for each step s
+    #      straight into `flat`, posted BEFORE step 1 (gloo moves data only when both ends have
+    #      posted); wait in order and forward each slice (tag=_AG) except in the last step.
     # W == 1: no communication; just divide for "avg".
     raise todo("3.4 pipelined ring all-reduce", "guidelines.md#pipelining-the-ring")
     # --- end TODO 3.4 ---

@@ -187,8 +187,8 @@ def ring_allreduce_pipelined(tensor: torch.Tensor, op: str = "sum", group: dist.
 
     Each chunk is cut into slices of ``slice_bytes``. A slice received in
     reduce-scatter step s is added and at once sent on as step s+1's slice, while
-    the next slices are still on the wire; the receives of the next step are
-    posted one step ahead (double buffer), and all-gather receives land directly
+    the next slices are still on the wire; reduce-scatter receives go into a window
+    of reused slot buffers, always posted ahead, and all-gather receives land directly
     in place. The last reduce-scatter step hands each finished slice straight to
     the all-gather, so the two phases overlap too.
 
