@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         blocks = [nn.Sequential(nn.Linear(x_all.shape[1] if i == 0 else args.hidden, args.hidden), nn.ReLU())
                   for i in range(p)]
         head = nn.Linear(args.hidden, 10)
-        module = nn.Sequential(blocks[env.rank], *([head] if env.rank == p - 1 else []))
+        module = nn.Sequential(blocks[env.rank], *([head] if env.rank == p - 1 else [])).to(env.device)
         opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
         steps = x_all.shape[0] // args.batch
         log0(f"model split: {p} stages, {sum(q.numel() for q in module.parameters())} parameters on rank 0")

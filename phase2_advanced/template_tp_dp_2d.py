@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=64)
         torch.manual_seed(0)  # every rank builds the same full model, then keeps its tp shard
         reference = TinyGPT(cfg)
-        model = tp.ParallelGPT(reference, group=grid.tp_group)
+        model = tp.ParallelGPT(reference, group=grid.tp_group).to(env.device)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr, weight_decay=0.0)
         tokens, targets = synthetic_tokens(n_seq=args.global_batch * args.steps, seq_len=16, vocab_size=64).tensors
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
             y = targets[step * args.global_batch:(step + 1) * args.global_batch]
             start = time.perf_counter()
             with ledger:
-                loss = train_step(model, opt, lambda m, a, b: m(a, b)[1], x, y, grid)
+                loss = train_step(model, opt, lambda m, a, b: m(a, b)[1], x.to(env.device), y.to(env.device), grid)
             elapsed += time.perf_counter() - start
             ref_opt.zero_grad(set_to_none=True)
             ref_loss = reference(x, y)[1]  # single process, whole global batch

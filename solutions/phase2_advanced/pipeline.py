@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         data = digits("train", flatten=True)
         x_all, y_all = data.tensors
         module = build_stage_module(env.rank, p, x_all.shape[1], args.hidden, 10, args.layers_per_stage)
+        module.to(env.device)
         stage = PipelineStage(module, (args.batch // m, args.hidden), group=None, device=env.device)
         opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
         loss_fn = nn.CrossEntropyLoss()
