@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from distlab import load
 from distlab.comm import CommLedger
 from distlab.launch import run_distributed
-from distlab.models import MLP, CausalSelfAttention, GPTConfig, TinyGPT, seeded
+from distlab.models import MLP, Block, CausalSelfAttention, GPTConfig, TinyGPT, seeded
 from distlab.testing import assert_tensors_close, shard
 
 PHASE = "phase2_advanced"
@@ -530,3 +530,64 @@ def test_split_forward_matches_unsplit_model(world_size):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_split_training_matches_unsplit_model(world_size):
     run_distributed(_worker_model_split, world_size, True)
+
+
+# =========================================================================== 2.23-2.24 sequence parallel
+def _worker_sequence_parallel(rank, world_size):
+    sp = load(PHASE, "sequence_parallel")
+    W = world_size
+    # The conjugate pair on its own (2.23).
+    if W > 1:
+        xs = [_randn(2, 2, 3, seed=700 + r) for r in range(W)]   # each rank's (B, T/W, d) shard
+        x = xs[rank].clone().requires_grad_()
+        fwd, bwd = CommLedger(), CommLedger()
+        with fwd:
+            full = sp.gather_from_sequence_region(x)
+        gs = [_randn(2, 2 * W, 3, seed=800 + r) for r in range(W)]  # each rank's partial gradient
+        with bwd:
+            full.backward(gs[rank])
+        what = f"rank {rank}, W={W}, gather_from_sequence_region"
+        assert_tensors_close(full, torch.cat(xs, 1), f"{what} forward (concatenation along T)", **EXACT)
+        assert_tensors_close(x.grad, sum(gs).chunk(W, 1)[rank], f"{what} backward (reduce-scatter along T)", **TOL)
+        assert (fwd.calls(), bwd.calls()) == (1, 1), f"{what}: forward {fwd.summary()}, backward {bwd.summary()}"
+        y = gs[rank].clone().requires_grad_()
+        out = sp.reduce_scatter_to_sequence_region(y)
+        out.backward(xs[rank])
+        what = f"rank {rank}, W={W}, reduce_scatter_to_sequence_region"
+        assert_tensors_close(out, sum(gs).chunk(W, 1)[rank], f"{what} forward", **TOL)
+        assert_tensors_close(y.grad, torch.cat(xs, 1), f"{what} backward (all-gather along T)", **EXACT)
+    # The block (2.24): output, every gradient, the input's gradient, the volume.
+    block = seeded(Block, 0, GPT_CFG).double()
+    x = _randn(2, 12, GPT_CFG.n_embd, seed=900).requires_grad_()  # T = 12 divides by 1-4
+    g = _randn(*x.shape, seed=901)
+    block(x).backward(g)
+    spb = sp.SequenceParallelBlock(block)
+    xl = x.detach().chunk(W, 1)[rank].clone().requires_grad_()
+    fwd, bwd = CommLedger(), CommLedger()
+    with fwd:
+        y = spb(xl)
+    with bwd:
+        y.backward(g.chunk(W, 1)[rank])
+        sp.allreduce_sequence_parallel_grads(spb)
+    what = f"rank {rank}, W={W}, SequenceParallelBlock"
+    with torch.no_grad():
+        assert_tensors_close(y, block(x).chunk(W, 1)[rank], f"{what} output (this rank's tokens)", **TOL)
+    _compare_sharded(spb, block, rank, W, what, grads=True)
+    assert_tensors_close(xl.grad, x.grad.chunk(W, 1)[rank], f"{what} input gradient", **TOL)
+    if W > 1:
+        shard_bytes = xl.numel() * 8
+        expected = {"all_gather_single": {"calls": 2, "bytes": 2 * shard_bytes},
+                    "reduce_scatter_single": {"calls": 2, "bytes": 2 * W * shard_bytes}}
+        assert fwd.summary() == expected, f"{what}: forward moved {fwd.summary()}, expected {expected}"
+        replicated = sum(p.numel() * 8 for p in spb.parameters() if getattr(p, "sequence_parallel", False))
+        back = bwd.summary()
+        ar = back.pop("all_reduce", None)
+        assert back == expected, f"{what}: backward moved {bwd.summary()}, expected {expected} + the replicated gradients"
+        assert ar is not None and ar["bytes"] == replicated, \
+            f"{what}: all-reduced {ar} of replicated gradients, expected {replicated} B (LayerNorms, row biases)"
+
+
+@pytest.mark.exercise("2.23-2.24 sequence parallelism")
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_sequence_parallel_block_matches_block(world_size):
+    run_distributed(_worker_sequence_parallel, world_size)
