@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> None:
             x = torch.randn(1001, generator=torch.Generator().manual_seed(env.rank)).to(env.device)
             expected = x.clone()
             dist.all_reduce(expected)
-            torch.testing.assert_close(fn(x), expected)  # summation order differs: float32 rounding
+            fn(x)
+            torch.testing.assert_close(x, expected)  # summation order differs: float32 rounding
         log0(f"correct on {W} ranks: ring and pipelined ring match dist.all_reduce (1001 floats)")
         rows = []
         for mb in args.sizes_mb:
