@@ -35,8 +35,6 @@ import torch.nn as nn
 
 from distlab.todo import todo
 
-FORWARD_TAG, BACKWARD_TAG = 0, 1  # activations and gradients travel on separate channels
-
 
 def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch.Tensor]:
     """``batch`` cut into ``num_microbatches`` equal micro-batches along dim 0."""
@@ -46,9 +44,9 @@ def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch
     return list(batch.chunk(num_microbatches))
 
 
-def theoretical_bubble(num_stages: int, num_microbatches: int) -> float:
-    """(p-1)/(m+p-1): the idle share of a step with equal forward and backward times per stage."""
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+def theoretical_bubble(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> float:
+    """(p-1)/(v*m+p-1): the idle share of a step with equal forward and backward times per stage."""
+    return (num_stages - 1) / (num_chunks * num_microbatches + num_stages - 1)
 
 
 def measured_bubble(events: list[tuple], num_stages: int) -> float:
@@ -60,24 +58,29 @@ def measured_bubble(events: list[tuple], num_stages: int) -> float:
 
 # --------------------------------------------------------------------------- the stage
 class PipelineStage:
-    """One rank's consecutive layers, its links to the neighbouring stages, and its timeline.
+    """One rank's layers, its links to the neighbouring stages, and its timeline.
 
     Args:
-        module: this stage's layers.
-        recv_shape: shape of the micro-batch activation this stage receives (unused on stage 0).
+        module: this stage's layers; or, for interleaved schedules, a list of v chunks:
+            chunk c is virtual stage c*p + rank of a model cut into p*v pieces.
+        recv_shape: shape of the micro-batch activation a stage receives (unused on stage 0).
         group: the pipeline's ranks, in stage order (stage = group rank).
     """
 
-    def __init__(self, module: nn.Module, recv_shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
-                 group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> None:
+    def __init__(self, module: nn.Module | list[nn.Module], recv_shape: tuple[int, ...],
+                 dtype: torch.dtype = torch.float32, group: dist.ProcessGroup | None = None,
+                 device: torch.device | None = None) -> None:
+        self.chunks = list(module) if isinstance(module, (list, tuple)) else [module]
         self.module, self.recv_shape, self.dtype, self.group = module, tuple(recv_shape), dtype, group
         self.device = device or torch.device("cpu")
         self.stage_id, self.num_stages = dist.get_rank(group), dist.get_world_size(group)
-        self.in_flight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # mb -> (input, output or loss)
+        self.num_chunks = len(self.chunks)
+        self.in_flight: dict[tuple[int, int], tuple] = {}  # (chunk, mb) -> (input, output or loss)
         self.peak_in_flight = 0
         self.losses: list[torch.Tensor] = []  # last stage: each micro-batch's loss / m
         self.events: list[tuple] = []  # (stage, start_s, end_s, kind, label) for plot_timeline
         self._sends: list = []
+        self._local: dict[int, list[torch.Tensor]] = {}  # messages to itself (p = 1, several chunks)
 
     @property
     def is_first(self) -> bool:
@@ -87,45 +90,57 @@ class PipelineStage:
     def is_last(self) -> bool:
         return self.stage_id == self.num_stages - 1
 
-    def _peer(self, stage: int) -> int:
-        return stage if self.group is None else dist.get_global_rank(self.group, stage)
-
+    # Messages are tagged by the virtual stage they go to, 2*vs forward and 2*vs+1
+    # backward: each boundary and direction is its own in-order channel.
     def _recv(self, stage: int, tag: int, shape: tuple[int, ...]) -> torch.Tensor:
+        if stage == self.stage_id:
+            return self._local[tag].pop(0)
         buf = torch.empty(shape, dtype=self.dtype, device=self.device)
         start = time.perf_counter()
-        dist.recv(buf, src=self._peer(stage), group=self.group, tag=tag)
+        src = stage if self.group is None else dist.get_global_rank(self.group, stage)
+        dist.recv(buf, src=src, group=self.group, tag=tag)
         self.events.append((self.stage_id, start, time.perf_counter(), "wait", ""))
         return buf
 
     def _send(self, t: torch.Tensor, stage: int, tag: int) -> None:
+        if stage == self.stage_id:
+            self._local.setdefault(tag, []).append(t.detach().clone())
+            return
         # Asynchronous: a stage never blocks on its own send, so two neighbours sending
         # to each other at once (1F1B's steady state) cannot deadlock.
-        self._sends.append(dist.isend(t.contiguous(), dst=self._peer(stage), group=self.group, tag=tag))
+        dst = stage if self.group is None else dist.get_global_rank(self.group, stage)
+        self._sends.append(dist.isend(t.contiguous(), dst=dst, group=self.group, tag=tag))
 
     def forward_step(self, mb: int, x: torch.Tensor | None, target: torch.Tensor | None,
-                     loss_fn: Callable, num_microbatches: int) -> None:
-        """Forward of micro-batch ``mb``: receive (or take ``x``), compute, send (or compute the loss / m)."""
-        inp = x if self.is_first else self._recv(self.stage_id - 1, FORWARD_TAG, self.recv_shape).requires_grad_()
+                     loss_fn: Callable, num_microbatches: int, chunk: int = 0) -> None:
+        """Forward of micro-batch ``mb`` through ``chunk``: receive (or take ``x``), compute, send (or loss / m)."""
+        p, vs = self.num_stages, chunk * self.num_stages + self.stage_id
+        first, last = vs == 0, vs == p * self.num_chunks - 1
+        inp = x if first else self._recv((self.stage_id - 1) % p, 2 * vs, self.recv_shape).requires_grad_()
         start = time.perf_counter()
-        out = self.module(inp)
-        if self.is_last:
+        out = self.chunks[chunk](inp)
+        if last:
             out = loss_fn(out, target) / num_microbatches  # the mean over micro-batches
             self.losses.append(out.detach())
-        self.events.append((self.stage_id, start, time.perf_counter(), "F", mb))
-        if not self.is_last:
-            self._send(out.detach(), self.stage_id + 1, FORWARD_TAG)
-        self.in_flight[mb] = (inp, out)
+        self.events.append((self.stage_id, start, time.perf_counter(), "F", mb if self.num_chunks == 1
+                            else f"{mb}.{chunk}"))
+        if not last:
+            self._send(out.detach(), (self.stage_id + 1) % p, 2 * (vs + 1))
+        self.in_flight[chunk, mb] = (inp, out)
         self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
 
-    def backward_step(self, mb: int) -> None:
-        """Backward of micro-batch ``mb``: receive dL/d(output), backward, send dL/d(input)."""
-        inp, out = self.in_flight.pop(mb)  # frees this micro-batch's activations afterwards
-        grad = None if self.is_last else self._recv(self.stage_id + 1, BACKWARD_TAG, out.shape)
+    def backward_step(self, mb: int, chunk: int = 0) -> None:
+        """Backward of micro-batch ``mb`` through ``chunk``: receive dL/d(output), backward, send dL/d(input)."""
+        p, vs = self.num_stages, chunk * self.num_stages + self.stage_id
+        inp, out = self.in_flight.pop((chunk, mb))  # frees this micro-batch's activations afterwards
+        last = vs == p * self.num_chunks - 1
+        grad = None if last else self._recv((self.stage_id + 1) % p, 2 * vs + 1, out.shape)
         start = time.perf_counter()
         torch.autograd.backward(out, grad)
-        self.events.append((self.stage_id, start, time.perf_counter(), "B", mb))
-        if not self.is_first:
-            self._send(inp.grad, self.stage_id - 1, BACKWARD_TAG)
+        self.events.append((self.stage_id, start, time.perf_counter(), "B", mb if self.num_chunks == 1
+                            else f"{mb}.{chunk}"))
+        if vs > 0:
+            self._send(inp.grad, (self.stage_id - 1) % p, 2 * (vs - 1) + 1)
 
     def finish(self) -> None:
         """Wait for every outstanding send (their buffers must live until then)."""
@@ -169,7 +184,34 @@ def one_f_one_b(stage: PipelineStage, inputs: list, targets: list, loss_fn: Call
     # --- end TODO 2.13 ---
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def interleaved_1f1b(stage: PipelineStage, inputs: list, targets: list, loss_fn: Callable) -> None:
+    """Interleaved 1F1B over v chunks per rank (virtual stages): bubble (p-1)/(v*m + p-1).
+
+    Operations run in groups of p micro-batches per chunk: the k-th forward on a rank
+    is chunk (k // p) % v of micro-batch (k // (p*v)) * p + k % p; backwards walk the
+    chunks in reverse. Warm-up: 2(p-s-1) + (v-1)p forwards (Narayanan et al. 2021).
+
+    Equivalent to / Collective: as ``gpipe``; m must be a multiple of p.
+    Cost: per rank, v times the point-to-point messages of 1F1B (each v times smaller work).
+    """
+    p, v, s, m = stage.num_stages, stage.num_chunks, stage.stage_id, len(inputs)
+    if m % p:
+        raise ValueError(f"interleaved 1F1B needs micro-batches divisible by stages: {m} % {p} = {m % p}")
+    total = m * v
+
+    # --- TODO 2.14: interleaved 1F1B ---
+    # Each rank runs `total` = m*v forwards and m*v backwards, numbered k = 0, 1, ...
+    # 1. the k-th forward is chunk (k % (p*v)) // p of micro-batch (k // (p*v)) * p + k % p:
+    #    p micro-batches through chunk 0, the same p through chunk 1, ..., then the next p;
+    #    the k-th backward uses the same micro-batch but chunk v - 1 - that chunk;
+    # 2. warm-up = min(2*(p - s - 1) + (v - 1)*p, total) forwards; then one forward, one
+    #    backward; then the remaining backwards; then stage.finish().
+    # stage.forward_step(mb, inputs[mb], targets[mb], loss_fn, m, chunk) / stage.backward_step(mb, chunk).
+    raise todo("2.14 interleaved 1F1B schedule", "phase2_advanced/guidelines_model_parallel.md#interleaved-1f1b")
+    # --- end TODO 2.14 ---
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b}
 
 
 def train_step(stage: PipelineStage, optimizer: torch.optim.Optimizer, schedule: str,
@@ -228,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers-per-stage", type=int, default=2)
+    parser.add_argument("--chunks", type=int, default=2, help="model chunks per rank (interleaved only)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--out-dir", default="runs")
     args = parser.parse_args(argv)
@@ -238,10 +281,11 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--microbatches {m} < {p} stages: the pipeline would never fill")
         data = digits("train", flatten=True)
         x_all, y_all = data.tensors
-        module = build_stage_module(env.rank, p, x_all.shape[1], args.hidden, 10, args.layers_per_stage)
-        module.to(env.device)
-        stage = PipelineStage(module, (args.batch // m, args.hidden), group=None, device=env.device)
-        opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+        v = args.chunks if args.schedule == "interleaved" else 1
+        chunks = [build_stage_module(c * p + env.rank, p * v, x_all.shape[1], args.hidden, 10,
+                                     args.layers_per_stage).to(env.device) for c in range(v)]
+        stage = PipelineStage(chunks if v > 1 else chunks[0], (args.batch // m, args.hidden), device=env.device)
+        opt = torch.optim.SGD([q for c in chunks for q in c.parameters()], lr=0.05, momentum=0.9)
         loss_fn = nn.CrossEntropyLoss()
         steps = x_all.shape[0] // args.batch
         log0(f"pipeline ({args.schedule}): {p} stages, {m} micro-batches of {args.batch // m}, "
@@ -267,12 +311,12 @@ def main(argv: list[str] | None = None) -> None:
         dist.broadcast_object_list(last_loss, src=p - 1)
         if env.is_main:
             path = plot_timeline(all_events, os.path.join(args.out_dir, f"pipeline_{args.schedule}_timeline.png"),
-                                 title=f"{args.schedule}: {p} stages, {m} micro-batches (last step)")
+                                 title=f"{args.schedule}: {p} stages x {v} chunks, {m} micro-batches (last step)")
             bubbles.sort()
             print("\n" + format_table([{
                 "schedule": args.schedule, "stages": p, "micro-batches": m, "final loss": f"{last_loss[0]:.4f}",
                 "bubble (measured, median)": f"{bubbles[len(bubbles) // 2]:.1%}",
-                "bubble (theory)": f"{theoretical_bubble(p, m):.1%}",
+                "bubble (theory)": f"{theoretical_bubble(p, m, v):.1%}",
                 "peak in flight per stage": peaks, "p2p sent/step (rank 0)": format_bytes(ledger_step)}]))
             print(f"timeline: {path}")
     finally:

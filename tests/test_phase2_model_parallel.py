@@ -591,3 +591,51 @@ def _worker_sequence_parallel(rank, world_size):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_sequence_parallel_block_matches_block(world_size):
     run_distributed(_worker_sequence_parallel, world_size)
+
+
+# =========================================================================== 2.14 interleaved 1F1B
+def _worker_interleaved(rank, world_size):
+    pp = load(PHASE, "pipeline")
+    p, v = world_size, 2
+    for m in (p, 2 * p):  # interleaving needs m divisible by p
+        reference = _pipeline_stages(p * v)  # virtual stage c*p + r lives on rank r as chunk c
+        full = nn.Sequential(*reference)
+        all_mine = _pipeline_stages(p * v)
+        chunks = [all_mine[c * p + rank] for c in range(v)]
+        stage = pp.PipelineStage(chunks, (MB_SIZE, HIDDEN), dtype=torch.float64)
+        opt_ref = torch.optim.SGD(full.parameters(), lr=0.1, momentum=0.9)
+        opt = torch.optim.SGD([q for c in chunks for q in c.parameters()], lr=0.1, momentum=0.9)
+        for step in range(2):
+            x = _randn(m * MB_SIZE, IN_FEATURES, seed=1000 + step)
+            y = torch.randint(CLASSES, (m * MB_SIZE,), generator=torch.Generator().manual_seed(1100 + step))
+            opt_ref.zero_grad()
+            loss_ref = F.cross_entropy(full(x), y)
+            loss_ref.backward()
+            ledger = CommLedger()
+            with ledger:
+                loss = pp.train_step(stage, opt, "interleaved", x if rank == 0 else None,
+                                     y if rank == p - 1 else None, F.cross_entropy, m)
+            what = f"rank {rank}, interleaved p={p} v={v} m={m}, step {step}"
+            if rank == p - 1:
+                assert abs(loss - loss_ref.item()) < 1e-12, f"{what}: loss {loss} != single-process {loss_ref.item()}"
+            for c, chunk in enumerate(chunks):
+                for (name, a), b in zip(chunk.named_parameters(), reference[c * p + rank].parameters()):
+                    assert_tensors_close(a.grad, b.grad, f"{what}, gradient of chunk {c} parameter {name}", **TOL)
+            opt_ref.step()
+            for c, chunk in enumerate(chunks):
+                for (name, a), b in zip(chunk.named_parameters(), reference[c * p + rank].parameters()):
+                    assert_tensors_close(a, b, f"{what}, chunk {c} parameter {name} after SGD", **TOL)
+            act = MB_SIZE * HIDDEN * 8
+            sent = 0 if p == 1 else m * act * ((v - (rank == p - 1)) + (v - (rank == 0)))  # p = 1: no peers
+            assert ledger.sent_bytes() == sent, f"{what}: sent {ledger.sent_bytes()} B, expected {sent}"
+        warmup = 2 * (p - rank - 1) + (v - 1) * p
+        expected_peak = m * v if warmup >= m * v else warmup + 1
+        assert stage.peak_in_flight == expected_peak, \
+            f"rank {rank}, p={p}, v={v}, m={m}: peak {stage.peak_in_flight} (chunk, micro-batch) activations " \
+            f"in flight, expected {expected_peak} (warm-up {warmup} + 1)"
+
+
+@pytest.mark.exercise("2.14 interleaved 1F1B")
+@pytest.mark.parametrize("stages", WORLD_SIZES)
+def test_interleaved_1f1b_matches_single_process(stages):
+    run_distributed(_worker_interleaved, stages)
