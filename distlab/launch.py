@@ -24,6 +24,7 @@ from __future__ import annotations
 import builtins
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import socket
 import tempfile
@@ -105,10 +106,14 @@ def _child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s
         message = ("error", type(exc).__module__, type(exc).__qualname__, str(exc),
                    traceback.format_exc(), isinstance(exc, LearnerTODO))
     try:
-        conn.send(message)
+        # Plain pickle, not the Pipe's: torch's multiprocessing pickler would pass tensors
+        # as shared-memory handles, which die with this process before the parent reads them.
+        payload = pickle.dumps(message)
     except Exception as exc:  # e.g. an unpicklable result
-        conn.send(("error", "builtins", "RuntimeError", f"could not send the result back: {exc}",
-                   traceback.format_exc(), False))
+        payload = pickle.dumps(("error", "builtins", "RuntimeError", f"could not send the result back: {exc}",
+                                traceback.format_exc(), False))
+    try:
+        conn.send_bytes(payload)
     finally:
         conn.close()
         if dist.is_initialized():
@@ -204,7 +209,7 @@ def _collect(procs, readers, timeout_s: float) -> list[Any]:
     def receive(rank: int) -> None:
         pending.discard(rank)
         try:
-            msg = readers[rank].recv()
+            msg = pickle.loads(readers[rank].recv_bytes())
         except (EOFError, OSError):
             procs[rank].join(timeout=1)
             code = procs[rank].exitcode

@@ -55,6 +55,7 @@ def _worker_deadlock(rank, world_size, pid_dir):
 
 
 def test_deadlocked_recv_fails_within_the_timeout(tmp_path):
+    run_distributed(_worker_rank_info, 1)  # the forkserver's one-time start is not what is timed
     start = time.monotonic()
     with pytest.raises((RuntimeError, TimeoutError)) as info:
         run_distributed(_worker_deadlock, 2, str(tmp_path), timeout_s=6)
@@ -67,12 +68,14 @@ def test_deadlocked_recv_fails_within_the_timeout(tmp_path):
 
 def _worker_one_raises(rank, world_size, pid_dir):
     Path(pid_dir, str(rank)).write_text(str(os.getpid()))
+    dist.barrier()  # every rank is up and has written its pid
     if rank == 1:
         raise ValueError("bad shard size 7")
     dist.barrier()  # the others wait for rank 1, which never comes
 
 
 def test_one_rank_raising_makes_the_parent_raise_quickly(tmp_path):
+    run_distributed(_worker_rank_info, 1)  # the forkserver's one-time start is not what is timed
     start = time.monotonic()
     with pytest.raises(ValueError, match="rank 1: bad shard size 7") as info:
         run_distributed(_worker_one_raises, 3, str(tmp_path), timeout_s=60)
@@ -335,3 +338,13 @@ def test_metrics_and_plots(tmp_path):
              plot_bandwidth({"ring": [(1024, 1.0), (2048, 2.0)]}, tmp_path / "b.png"),
              plot_bars({"ddp": 1.0, "zero": 0.5}, tmp_path / "m.png", "bytes")]
     assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+
+
+def _worker_tensor_result(rank, world_size):
+    return {"rank": rank, "weights": torch.full((1000,), float(rank))}
+
+
+def test_ranks_can_return_tensors():
+    results = run_distributed(_worker_tensor_result, 2)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert torch.equal(results[1]["weights"], torch.ones(1000))
