@@ -41,6 +41,17 @@ from distlab.comm import all_gather_single
 from distlab.todo import todo
 
 
+def _matching(saved: dict, key, like_shape) -> torch.Tensor | None:
+    """``saved[key]`` if it has ``like_shape``, else None.
+
+    State is kept per bucket index, but torch's DDP rebuilds its buckets after the first
+    step (in the order gradients actually arrived), so index i may then hold other
+    parameters: state of another shape belongs to the old layout and is dropped.
+    """
+    t = saved.get(key)
+    return t if t is not None and t.shape == like_shape else None
+
+
 def _completed(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(t)
@@ -170,7 +181,8 @@ def topk_hook(state: "TopKState", bucket: dist.GradBucket) -> torch.futures.Futu
     n, world_size = buffer.numel(), dist.get_world_size(state.group)
     k = max(1, min(n, math.ceil(state.ratio * n)))
     # --- TODO 4.9: top-k of (gradient + residual), all-gathered, averaged ---
-    # 1. compensated = buffer + state.residuals[bucket.index()] (if error_feedback and present).
+    # 1. compensated = buffer + _matching(state.residuals, bucket.index(), buffer.shape)
+    #    (if error_feedback and not None; see _matching for why the shape is checked).
     # 2. indices of the k largest |compensated| (Tensor.topk); values = compensated[indices].
     # 3. error feedback: residuals[index] = compensated with the sent entries zeroed.
     # 4. all_gather_single W*k values and W*k indices (as torch.int32: 4 bytes each).
@@ -218,7 +230,8 @@ def powersgd_hook(state: "PowerSGDState", bucket: dist.GradBucket) -> torch.futu
     buffer = bucket.buffer()
     world_size, r, idx = dist.get_world_size(state.group), state.rank, bucket.index()
     # --- TODO 4.10: error feedback, before ---
-    # If state.error_feedback: add state.errors[idx] (if any) to the buffer in place, and keep
+    # If state.error_feedback: add _matching(state.errors, idx, buffer.shape) (if not None) to
+    # the buffer in place (torch DDP rebuilds its buckets after step 1: see _matching), and keep
     # a copy of the result (`compensated`); otherwise compensated = None.
     raise todo("4.10 PowerSGD", "guidelines.md#powersgd")
     # --- end TODO 4.10 ---
@@ -237,7 +250,7 @@ def powersgd_hook(state: "PowerSGDState", bucket: dist.GradBucket) -> torch.futu
             offset += g.numel()
     if mats:
         # --- TODO 4.10: one power iteration per matrix m (a x b), warm-started ---
-        # q: state.qs[(idx, i)] if warm_start and present, else torch.randn(b, r) from a
+        # q: _matching(state.qs, (idx, i), (b, r)) if warm_start and not None, else torch.randn(b, r) from a
         #    torch.Generator seeded state.seed + 1000 * idx + i (the SAME q on every rank).
         # P = m @ q for every matrix; all-reduce them (one flat tensor), divide by W;
         # P = _orthonormalize(P); Q = m.t() @ P; all-reduce the Qs (one flat tensor), / W.

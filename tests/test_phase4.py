@@ -684,3 +684,32 @@ def _worker_monitor(rank, world_size, slow_rank, out_dir):
 @pytest.mark.parametrize("world_size,slow_rank", [(2, 1), (3, 1), (4, 2), (3, -1)])
 def test_monitor_names_injected_slow_rank(world_size, slow_rank, tmp_path):
     run_distributed(_worker_monitor, world_size, slow_rank, str(tmp_path / "metrics"))
+
+
+def _worker_hooks_under_torch_ddp_rebuild(rank, world_size, method):
+    """torch's DDP rebuilds its buckets after the first step: per-bucket state must follow."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    compression = load(PHASE, "compression")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 40), nn.ReLU(), nn.Linear(40, 30), nn.ReLU(), nn.Linear(30, 5))
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.004)  # several small buckets
+    hook, state = compression.make_hook(method)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(4):
+        opt.zero_grad()
+        F.cross_entropy(ddp(torch.randn(8, 12, generator=g)), torch.randint(5, (8,), generator=g)).backward()
+        opt.step()
+        for name, p in model.named_parameters():
+            assert torch.isfinite(p).all(), f"rank {rank}, {method}, step {step}: {name} not finite"
+
+
+@pytest.mark.parametrize("method", [
+    pytest.param("topk", marks=pytest.mark.exercise("4.9 top-k with error feedback")),
+    pytest.param("powersgd", marks=pytest.mark.exercise("4.10 PowerSGD")),
+])
+def test_compression_hooks_survive_torch_ddp_bucket_rebuild(method):
+    run_distributed(_worker_hooks_under_torch_ddp_rebuild, 2, method)

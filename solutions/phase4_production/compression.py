@@ -40,6 +40,17 @@ import torch.nn as nn
 from distlab.comm import all_gather_single
 
 
+def _matching(saved: dict, key, like_shape) -> torch.Tensor | None:
+    """``saved[key]`` if it has ``like_shape``, else None.
+
+    State is kept per bucket index, but torch's DDP rebuilds its buckets after the first
+    step (in the order gradients actually arrived), so index i may then hold other
+    parameters: state of another shape belongs to the old layout and is dropped.
+    """
+    t = saved.get(key)
+    return t if t is not None and t.shape == like_shape else None
+
+
 def _completed(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(t)
@@ -169,7 +180,7 @@ def topk_hook(state: "TopKState", bucket: dist.GradBucket) -> torch.futures.Futu
     buffer = bucket.buffer()
     n, world_size = buffer.numel(), dist.get_world_size(state.group)
     k = max(1, min(n, math.ceil(state.ratio * n)))
-    residual = state.residuals.get(bucket.index())
+    residual = _matching(state.residuals, bucket.index(), buffer.shape)
     compensated = buffer + residual if (state.error_feedback and residual is not None) else buffer.clone()
     indices = compensated.abs().topk(k, sorted=False).indices
     values = compensated[indices]
@@ -220,8 +231,9 @@ def powersgd_hook(state: "PowerSGDState", bucket: dist.GradBucket) -> torch.futu
     """
     buffer = bucket.buffer()
     world_size, r, idx = dist.get_world_size(state.group), state.rank, bucket.index()
-    if state.error_feedback and idx in state.errors:
-        buffer.add_(state.errors[idx])
+    error = _matching(state.errors, idx, buffer.shape)
+    if state.error_feedback and error is not None:
+        buffer.add_(error)
     compensated = buffer.clone() if state.error_feedback else None
     grads = bucket.gradients()
     mats = [(i, g.view(g.shape[0], -1)) for i, g in enumerate(grads)
@@ -239,7 +251,7 @@ def powersgd_hook(state: "PowerSGDState", bucket: dist.GradBucket) -> torch.futu
     if mats:
         qs = []
         for i, m in mats:
-            q = state.qs.get((idx, i)) if state.warm_start else None
+            q = _matching(state.qs, (idx, i), (m.shape[1], r)) if state.warm_start else None
             if q is None:  # the same seed on every rank: P = sum of M_w Q needs one shared Q
                 gen = torch.Generator().manual_seed(state.seed + 1000 * idx + i)
                 q = torch.randn(m.shape[1], r, generator=gen, dtype=m.dtype).to(m.device)
