@@ -1,4 +1,4 @@
-"""Phase 2, model parallelism: naive split, pipeline schedules, tensor parallelism, 2D.
+"""Phase 2, model parallelism: naive split, pipelines (GPipe, 1F1B, interleaved), tensor and sequence parallelism, 2D.
 
 Every worker builds the whole model from one seed, computes the single-process
 answer itself, runs the distributed version on its part, and compares outputs,
@@ -21,7 +21,7 @@ from distlab import load
 from distlab.comm import CommLedger
 from distlab.launch import run_distributed
 from distlab.models import MLP, Block, CausalSelfAttention, GPTConfig, TinyGPT, seeded
-from distlab.testing import assert_tensors_close, shard
+from distlab.testing import assert_tensors_close
 
 PHASE = "phase2_advanced"
 WORLD_SIZES = [1, 2, 3, 4]
@@ -40,19 +40,22 @@ def _expected_shard(full: torch.Tensor, p: torch.Tensor, rank: int, world_size: 
     return full if dim is None else full.chunk(world_size, dim)[rank]
 
 
-def _compare_sharded(tp_model: nn.Module, full_model: nn.Module, rank: int, world_size: int, step, grads: bool):
-    """Every parameter (or gradient) of the TP model equals its slice of the full model's, by name."""
+def _compare_sharded(tp_model: nn.Module, full_model: nn.Module, rank: int, world_size: int, what: str,
+                     grads: bool):
+    """Every parameter (or gradient) of the TP model equals its slice of the full model's, by name.
+
+    ``rank``/``world_size`` are the tensor-parallel ones; ``what`` leads the messages (rank, step, case).
+    """
     full = dict(full_model.named_parameters())
     for name, p in tp_model.named_parameters():
-        assert name in full, f"rank {rank}: tensor-parallel parameter {name} has no counterpart in the full model"
+        assert name in full, f"{what}: tensor-parallel parameter {name} has no counterpart in the full model"
         f = full[name]
         if grads:
-            assert p.grad is not None, f"rank {rank}, step {step}: no gradient for {name}"
+            assert p.grad is not None, f"{what}: no gradient for {name}"
             assert_tensors_close(p.grad, _expected_shard(f.grad, p, rank, world_size),
-                                 f"rank {rank}, step {step}, gradient of {name}", **TOL)
+                                 f"{what}, gradient of {name}", **TOL)
         else:
-            assert_tensors_close(p, _expected_shard(f, p, rank, world_size),
-                                 f"rank {rank}, step {step}, parameter {name}", **TOL)
+            assert_tensors_close(p, _expected_shard(f, p, rank, world_size), f"{what}, parameter {name}", **TOL)
 
 
 def _all_reduce_calls(ledger: CommLedger) -> tuple[int, int]:
@@ -268,7 +271,7 @@ def _worker_parallel_gpt(rank, world_size):
     W = world_size
     full = seeded(TinyGPT, 0, GPT_CFG).double()
     model = tp.ParallelGPT(full)
-    _compare_sharded(model, full, rank, W, "init", grads=False)
+    _compare_sharded(model, full, rank, W, f"rank {rank}, W={W}, after ParallelGPT(full)", grads=False)
     opt_ref = torch.optim.Adam(full.parameters(), lr=1e-2)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for step in range(3):
@@ -283,10 +286,10 @@ def _worker_parallel_gpt(rank, world_size):
         assert_tensors_close(logits, logits_ref.chunk(W, -1)[rank], f"rank {rank}, W={W}, step {step}, logits", **TOL)
         assert_tensors_close(loss, loss_ref, f"rank {rank}, W={W}, step {step}, loss", **TOL)
         loss.backward()
-        _compare_sharded(model, full, rank, W, step, grads=True)
+        _compare_sharded(model, full, rank, W, f"rank {rank}, W={W}, step {step}", grads=True)
         opt.step()
         opt_ref.step()
-        _compare_sharded(model, full, rank, W, f"{step} (after Adam)", grads=False)
+        _compare_sharded(model, full, rank, W, f"rank {rank}, W={W}, step {step} (after Adam)", grads=False)
 
 
 @pytest.mark.exercise("2.20 tensor-parallel TinyGPT")
