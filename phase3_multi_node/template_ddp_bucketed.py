@@ -15,8 +15,8 @@ fewer calls:
 * Buckets launch in index order on every rank (bucket 1 waits for bucket 0), so
   every rank issues the same sequence of all-reduces even if hooks fire in a
   different order.
-* ``finish_gradient_synchronization()``: launch what is left, wait, divide by W
-  (``p.grad`` are views: nothing to copy back).
+* ``finish_gradient_synchronization()``: launch what is left, wait (gradients were
+  divided by W on their way into the bucket, and ``p.grad`` are views: nothing to copy back).
 * ``no_sync()``: hooks do nothing; gradients accumulate in ``p.grad``.
 * Unused parameters: a bucket holding one never fills. With
   ``find_unused_parameters=True`` they are marked ready (zeros) at the finish and one
@@ -59,21 +59,26 @@ class Bucket:
         return self.buffer.numel() * self.buffer.element_size()
 
 
-def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float) -> list[list[nn.Parameter]]:
+def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float,
+                   first_bucket_mb: float | None = None) -> list[list[nn.Parameter]]:
     """Group ``params`` (in backward order) into consecutive buckets of at most ``bucket_size_mb``.
 
     A bucket closes when the next parameter would take it past the cap, or when
     dtype or device change (one flat buffer has one of each). A parameter larger than
     the cap gets a bucket to itself. ``bucket_size_mb=0`` gives one bucket per parameter.
+    The first bucket's cap is ``min(first_bucket_mb, bucket_size_mb)`` if given: a small
+    first bucket starts communication early (torch's DDP uses 1 MiB).
     """
     if bucket_size_mb < 0:
         raise ValueError(f"bucket_size_mb must be >= 0, got {bucket_size_mb}")
     cap = bucket_size_mb * 1024 * 1024
+    first_cap = min(first_bucket_mb * 1024 * 1024, cap) if first_bucket_mb is not None else cap
     buckets: list[list[nn.Parameter]] = []
     # --- TODO 3.12: fill buckets in order, closing one when the next param would overflow it ---
-    # Keep `size` (bytes in the last bucket). Start a new bucket (buckets.append([]))
-    # when there is none yet, when size + this param's bytes would exceed `cap`, or
-    # when dtype/device differ from the bucket's first param. Then append p, add its bytes.
+    # Keep `size` (bytes in the open bucket). Start a new bucket (buckets.append([]), size 0)
+    # when there is none yet, when size + this param's bytes would exceed the open bucket's
+    # cap (first_cap while len(buckets) == 1, cap after), or when dtype/device differ from
+    # the bucket's first param. Then append p and add its bytes.
     raise todo("3.12 assign parameters to buckets", "guidelines_ddp_zero.md#ddp-buckets")
     # --- end TODO 3.12 ---
     return buckets
@@ -85,6 +90,7 @@ class DDPBucketed(nn.Module):
     Args:
         module: the replica on this rank (rank 0's initialisation wins).
         bucket_size_mb: cap of one bucket in MiB (torch's DDP default: 25).
+        first_bucket_mb: cap of the first bucket (the last layers' gradients), 1 MiB like torch.
         group: the data-parallel group (None: WORLD).
         find_unused_parameters: allow parameters that get no gradient in a step.
         broadcast_buffers: copy rank 0's buffers before every forward, like torch's DDP.
@@ -98,7 +104,7 @@ class DDPBucketed(nn.Module):
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0,
                  group: dist.ProcessGroup | None = None, find_unused_parameters: bool = False,
-                 broadcast_buffers: bool = True) -> None:
+                 broadcast_buffers: bool = True, first_bucket_mb: float | None = 1.0) -> None:
         super().__init__()
         self.module = module
         self.group = group
@@ -115,7 +121,7 @@ class DDPBucketed(nn.Module):
         self.names = {p: n for n, p in module.named_parameters()}
         self.buckets: list[Bucket] = []
         self._where: dict[nn.Parameter, tuple[int, int]] = {}  # param -> (bucket, index in bucket)
-        for b, params in enumerate(assign_buckets(trainable, bucket_size_mb)):
+        for b, params in enumerate(assign_buckets(trainable, bucket_size_mb, first_bucket_mb)):
             offsets = [0, *itertools.accumulate(p.numel() for p in params)]
             buffer = torch.zeros(offsets[-1], dtype=params[0].dtype, device=params[0].device)
             views = [buffer[a:b].view_as(p) for p, a, b in zip(params, offsets, offsets[1:])]
@@ -127,9 +133,17 @@ class DDPBucketed(nn.Module):
 
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers and self.world_size > 1:
+            # Buffers are coalesced like gradients: one broadcast per dtype, not one per
+            # tensor (ResNet-18 has 60 BatchNorm buffers; 60 small calls cost 60 latencies).
             with torch.no_grad():
+                by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
                 for b in self.module.buffers():
-                    dist.broadcast(b, src=self.src, group=self.group)
+                    by_dtype.setdefault(b.dtype, []).append(b)
+                for tensors in by_dtype.values():
+                    flat = torch.cat([t.reshape(-1) for t in tensors])
+                    dist.broadcast(flat, src=self.src, group=self.group)
+                    for t, part in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
+                        t.copy_(part.view_as(t))
         return self.module(*args, **kwargs)
 
     def _launch_ready_buckets(self) -> None:
@@ -144,11 +158,12 @@ class DDPBucketed(nn.Module):
             return
         b, i = self._where[p]
         bucket = self.buckets[b]
-        # --- TODO 3.13: make p.grad a view of its slice of the bucket, mark it ready, launch full buckets ---
+        # --- TODO 3.13: make p.grad (divided by W) a view of its bucket slice, mark it ready, launch ---
         # view = bucket.views[i] is p's slice of the bucket, shaped like p. If p.grad is not that
-        # view yet (compare data_ptr()), copy p.grad into it and make p.grad = view: from then on
-        # autograd accumulates straight into the bucket and nothing needs copying back.
-        # Then add i to bucket.ready and call self._launch_ready_buckets() (index order).
+        # view yet (compare data_ptr()), write p.grad / W into it in one pass
+        # (torch.div(..., out=view)) and make p.grad = view: from then on autograd accumulates
+        # straight into the bucket and nothing needs copying back. Otherwise divide the view
+        # by W in place. Then add i to bucket.ready and call self._launch_ready_buckets().
         raise todo("3.13 fill the bucket from the gradient hook", "guidelines_ddp_zero.md#ddp-buckets")
         # --- end TODO 3.13 ---
 
@@ -161,16 +176,16 @@ class DDPBucketed(nn.Module):
         """
         if not self.require_sync:
             return
-        # --- TODO 3.14: mark unused parameters ready, launch the rest, wait, divide by W ---
+        # --- TODO 3.14: mark unused parameters ready, launch the rest, wait ---
         # 1. locally_used: p -> (its index is in bucket.ready). Unused ones got no gradient here.
         #    Without self.find_unused_parameters raise RuntimeError naming them (self.names[p]).
         #    Otherwise zero their views, mark them ready, and self._launch_ready_buckets().
         # 2. With find_unused_parameters: all_reduce an int32 tensor of the locally_used flags
         #    (same order everywhere): a parameter with sum 0 was used by no rank.
-        # 3. For every bucket: handle.wait(), buffer /= W (the used params' p.grad are views: done);
+        # 3. For every bucket: handle.wait() (the used params' p.grad are views, already / W);
         #    a param unused here but used elsewhere gets p.grad = its view; one used nowhere keeps None.
         # 4. Reset for the next step: bucket.ready.clear(), handle None, self._next = 0.
-        raise todo("3.14 finish: unused parameters, wait, copy back", "guidelines_ddp_zero.md#ddp-buckets")
+        raise todo("3.14 finish: unused parameters, wait", "guidelines_ddp_zero.md#ddp-buckets")
         # --- end TODO 3.14 ---
 
     @contextlib.contextmanager

@@ -203,6 +203,8 @@ def test_bucket_assignment_matches_hand_computed_partition():
     for n, cap in BUCKET_CAPS.items():
         got = [len(b) for b in assign(params, cap)]
         assert got == sizes[n], f"cap {cap / MB:.0f} B: bucket lengths {got}, expected {sizes[n]}"
+    got = [len(b) for b in assign(params, 100.0, first_bucket_mb=344 * MB)]
+    assert got == [3, 3], f"a 344 B first bucket, then 100 MiB: bucket lengths {got}, expected [3, 3]"
     mixed = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2, dtype=torch.float64))]
     assert [len(b) for b in assign(mixed, 100.0)] == [1, 1], "a bucket must not mix dtypes"
 
@@ -271,6 +273,21 @@ def _worker_zero(rank, world_size, stage):
         _check_zero(rank, world_size, stage, kind)
 
 
+def _check_zero_resume(rank, world_size, stage, kind, zo, model):
+    """ZeRO-1/2: a fresh optimizer loaded from the sharded state takes bitwise the same next step."""
+    restored_model = _make(kind, 7)
+    restored = _zero(stage, restored_model)
+    restored_model.load_state_dict(model.state_dict())  # in place: the params stay views of the buckets
+    restored.load_sharded_state_dict(zo.sharded_state_dict())
+    x, y = _batch(kind, 9)
+    for m, opt in ((model, zo), (restored_model, restored)):
+        opt.zero_grad()
+        _loss(m(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+        opt.step()
+    # Same parameters, optimizer state and data: no tolerance.
+    assert_models_close(restored_model, model, rank=rank, step=f"ZeRO-{stage} resumed", rtol=0, atol=0)
+
+
 def _check_zero(rank, world_size, stage, kind):
     baseline = _make(kind, 0)
     base_opt = _adamw(baseline)
@@ -322,6 +339,8 @@ def _check_zero(rank, world_size, stage, kind):
                 ddp = 2 * (world_size - 1) / world_size * psi
                 assert abs(ours / ddp - 1.5 * psi_pad / psi) < 1e-12 and psi_pad / psi < 1.05, \
                     f"{what}: ZeRO-3 / DDP bytes {ours / ddp:.4f}, expected 1.5 (x padding {psi_pad / psi:.4f})"
+    if stage < 3:
+        _check_zero_resume(rank, world_size, stage, kind, zo, model)
 
 
 @pytest.mark.exercise("3.15 ZeRO-1")
@@ -434,3 +453,20 @@ def _worker_zero3_checkpoint(rank, world_size):
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_zero3_state_dict_round_trip_matches_uninterrupted_training(world_size):
     run_distributed(_worker_zero3_checkpoint, world_size)
+
+
+def _worker_bad_config(rank, world_size):
+    with pytest.raises(ValueError, match="stage must be 1 or 2"):
+        _zero(0, _make("mlp", 0))
+    model = _make("mlp", 0)
+    with pytest.raises(ValueError, match="the root is always a unit"):
+        load(PHASE, "fsdp").FullyShardedDataParallel(model, torch.optim.AdamW, units=[model])
+    seq = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2)).double()
+    with pytest.raises(ValueError, match="contains 1 other unit"):
+        load(PHASE, "fsdp").FullyShardedDataParallel(seq, torch.optim.AdamW, units=[seq[0], seq[0][0]])
+
+
+@pytest.mark.exercise("3.15-3.19 ZeRO configuration")
+@pytest.mark.scaffold
+def test_zero_rejects_bad_configuration():
+    run_distributed(_worker_bad_config, 1)

@@ -15,8 +15,8 @@ fewer calls:
 * Buckets launch in index order on every rank (bucket 1 waits for bucket 0), so
   every rank issues the same sequence of all-reduces even if hooks fire in a
   different order.
-* ``finish_gradient_synchronization()``: launch what is left, wait, divide by W
-  (``p.grad`` are views: nothing to copy back).
+* ``finish_gradient_synchronization()``: launch what is left, wait (gradients were
+  divided by W on their way into the bucket, and ``p.grad`` are views: nothing to copy back).
 * ``no_sync()``: hooks do nothing; gradients accumulate in ``p.grad``.
 * Unused parameters: a bucket holding one never fills. With
   ``find_unused_parameters=True`` they are marked ready (zeros) at the finish and one
@@ -57,22 +57,27 @@ class Bucket:
         return self.buffer.numel() * self.buffer.element_size()
 
 
-def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float) -> list[list[nn.Parameter]]:
+def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float,
+                   first_bucket_mb: float | None = None) -> list[list[nn.Parameter]]:
     """Group ``params`` (in backward order) into consecutive buckets of at most ``bucket_size_mb``.
 
     A bucket closes when the next parameter would take it past the cap, or when
     dtype or device change (one flat buffer has one of each). A parameter larger than
     the cap gets a bucket to itself. ``bucket_size_mb=0`` gives one bucket per parameter.
+    The first bucket's cap is ``min(first_bucket_mb, bucket_size_mb)`` if given: a small
+    first bucket starts communication early (torch's DDP uses 1 MiB).
     """
     if bucket_size_mb < 0:
         raise ValueError(f"bucket_size_mb must be >= 0, got {bucket_size_mb}")
     cap = bucket_size_mb * 1024 * 1024
+    first_cap = min(first_bucket_mb * 1024 * 1024, cap) if first_bucket_mb is not None else cap
     buckets: list[list[nn.Parameter]] = []
     # --- TODO 3.12: fill buckets in order, closing one when the next param would overflow it ---
     size = 0
     for p in params:
         nbytes = p.numel() * p.element_size()
-        if (not buckets or size + nbytes > cap or p.dtype != buckets[-1][0].dtype
+        limit = first_cap if len(buckets) == 1 else cap  # the open bucket's cap
+        if (not buckets or size + nbytes > limit or p.dtype != buckets[-1][0].dtype
                 or p.device != buckets[-1][0].device):
             buckets.append([])
             size = 0
@@ -88,6 +93,7 @@ class DDPBucketed(nn.Module):
     Args:
         module: the replica on this rank (rank 0's initialisation wins).
         bucket_size_mb: cap of one bucket in MiB (torch's DDP default: 25).
+        first_bucket_mb: cap of the first bucket (the last layers' gradients), 1 MiB like torch.
         group: the data-parallel group (None: WORLD).
         find_unused_parameters: allow parameters that get no gradient in a step.
         broadcast_buffers: copy rank 0's buffers before every forward, like torch's DDP.
@@ -101,7 +107,7 @@ class DDPBucketed(nn.Module):
 
     def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0,
                  group: dist.ProcessGroup | None = None, find_unused_parameters: bool = False,
-                 broadcast_buffers: bool = True) -> None:
+                 broadcast_buffers: bool = True, first_bucket_mb: float | None = 1.0) -> None:
         super().__init__()
         self.module = module
         self.group = group
@@ -118,7 +124,7 @@ class DDPBucketed(nn.Module):
         self.names = {p: n for n, p in module.named_parameters()}
         self.buckets: list[Bucket] = []
         self._where: dict[nn.Parameter, tuple[int, int]] = {}  # param -> (bucket, index in bucket)
-        for b, params in enumerate(assign_buckets(trainable, bucket_size_mb)):
+        for b, params in enumerate(assign_buckets(trainable, bucket_size_mb, first_bucket_mb)):
             offsets = [0, *itertools.accumulate(p.numel() for p in params)]
             buffer = torch.zeros(offsets[-1], dtype=params[0].dtype, device=params[0].device)
             views = [buffer[a:b].view_as(p) for p, a, b in zip(params, offsets, offsets[1:])]
@@ -130,9 +136,17 @@ class DDPBucketed(nn.Module):
 
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers and self.world_size > 1:
+            # Buffers are coalesced like gradients: one broadcast per dtype, not one per
+            # tensor (ResNet-18 has 60 BatchNorm buffers; 60 small calls cost 60 latencies).
             with torch.no_grad():
+                by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
                 for b in self.module.buffers():
-                    dist.broadcast(b, src=self.src, group=self.group)
+                    by_dtype.setdefault(b.dtype, []).append(b)
+                for tensors in by_dtype.values():
+                    flat = torch.cat([t.reshape(-1) for t in tensors])
+                    dist.broadcast(flat, src=self.src, group=self.group)
+                    for t, part in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
+                        t.copy_(part.view_as(t))
         return self.module(*args, **kwargs)
 
     def _launch_ready_buckets(self) -> None:
@@ -147,16 +161,19 @@ class DDPBucketed(nn.Module):
             return
         b, i = self._where[p]
         bucket = self.buckets[b]
-        # --- TODO 3.13: make p.grad a view of its slice of the bucket, mark it ready, launch full buckets ---
+        # --- TODO 3.13: make p.grad (divided by W) a view of its bucket slice, mark it ready, launch ---
         # Overlaps with the rest of backward; one all-reduce per bucket, |bucket| bytes.
         view = bucket.views[i]
         if p.grad.data_ptr() != view.data_ptr():
             # First step, or after zero_grad(set_to_none=True): move the gradient into the
-            # bucket once and let p.grad *be* the slice. Later backwards accumulate into
-            # it in place, and the reduced result needs no copy back (torch's
-            # gradient_as_bucket_view=True).
-            view.copy_(p.grad)
+            # bucket and let p.grad *be* the slice. Later backwards accumulate into it in
+            # place, and the reduced result needs no copy back (torch's
+            # gradient_as_bucket_view=True). Dividing by W on the way in (sum of g/W)
+            # keeps the division off the critical path after the last all-reduce.
+            torch.div(p.grad, self.world_size, out=view)
             p.grad = view
+        else:
+            view.div_(self.world_size)
         bucket.ready.add(i)
         self._launch_ready_buckets()
         # --- end TODO 3.13 ---
@@ -170,7 +187,7 @@ class DDPBucketed(nn.Module):
         """
         if not self.require_sync:
             return
-        # --- TODO 3.14: mark unused parameters ready, launch the rest, wait, divide by W ---
+        # --- TODO 3.14: mark unused parameters ready, launch the rest, wait ---
         locally_used = {p: i in bucket.ready for bucket in self.buckets for i, p in enumerate(bucket.params)}
         unused = [p for p, used in locally_used.items() if not used]
         if unused and not self.find_unused_parameters:
@@ -191,7 +208,6 @@ class DDPBucketed(nn.Module):
             used_anywhere = dict(zip(locally_used, flags.tolist()))
         for bucket in self.buckets:
             bucket.handle.wait()
-            bucket.buffer /= self.world_size  # the used parameters' p.grad are views: done
             for p, view in zip(bucket.params, bucket.views):
                 if not locally_used[p] and used_anywhere[p]:
                     p.grad = view  # another rank used p: its mean gradient is p's gradient here too

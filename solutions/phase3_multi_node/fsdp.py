@@ -81,8 +81,8 @@ class FullyShardedDataParallel(nn.Module):
     Args:
         model: this rank's replica (rank 0's parameters are broadcast).
         optimizer_cls, **optim_kwargs: any ``torch.optim`` optimizer, built on the fp32 chunks.
-        units: modules gathered and freed as one (default: ``default_units(model)``); the
-            root holds every parameter no single unit owns.
+        units: modules gathered and freed as one, not nested (default: ``default_units(model)``);
+            the root holds every parameter no single unit owns.
         compute_dtype: dtype of the gathered parameters (None: the parameters' own).
         group: the data-parallel group (None: WORLD).
 
@@ -96,13 +96,18 @@ class FullyShardedDataParallel(nn.Module):
                  units: list[nn.Module] | None = None, compute_dtype: torch.dtype | None = None,
                  group: dist.ProcessGroup | None = None, **optim_kwargs: Any) -> None:
         super().__init__()
-        self.module, self.group = model, group
+        self.module, self.group, self.compute_dtype = model, group, compute_dtype
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         src = dist.get_global_rank(group, 0) if group is not None else 0
         with torch.no_grad():
             for t in itertools.chain(model.parameters(), model.buffers()):
                 dist.broadcast(t, src=src, group=group)
         units = default_units(model) if units is None else list(units)
+        for u in units:
+            inner = [m for m in u.modules() if m is not u and any(m is v for v in units)]
+            if inner or u is model:
+                raise ValueError(f"units must not nest or include the root: {type(u).__name__} contains "
+                                 f"{len(inner)} other unit(s)" if inner else "the root is always a unit")
         names = self._names = {p: n for n, p in model.named_parameters()}
         owners: dict[nn.Parameter, list[nn.Module]] = {p: [] for p in names if p.requires_grad}
         for u in units:
@@ -202,7 +207,9 @@ class FullyShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ training API
     def forward(self, *args, **kwargs):
-        dtype = self.units[0].full.dtype if self.units else None
+        if self.compute_dtype is None:
+            return self.module(*args, **kwargs)
+        dtype = self.compute_dtype  # floating inputs meet the gathered weights in their dtype
         cast = lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
         return self.module(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()})
 
