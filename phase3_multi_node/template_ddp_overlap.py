@@ -126,9 +126,9 @@ def train_demo(wrap, description: str, argv: list[str] | None = None) -> None:
     from torch.utils.data import DataLoader, DistributedSampler
 
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--global-batch", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--bucket-mb", type=float, default=0.01, help="bucket size (bucketed wrapper only)")
     args = parser.parse_args(argv)
     env = init_from_env()
@@ -142,6 +142,8 @@ def train_demo(wrap, description: str, argv: list[str] | None = None) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         loader = DataLoader(train, batch_size=args.global_batch // env.world_size, drop_last=True,
                             sampler=DistributedSampler(train, env.world_size, env.rank, drop_last=True))
+        # Cosine decay to zero, so BatchNorm's running statistics settle with the weights.
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
         loss_fn, ledger, steps = nn.CrossEntropyLoss(), CommLedger(), 0
         log0(f"{description}: {env.world_size} ranks ({env.backend}), global batch {args.global_batch}")
         start = time.perf_counter()
@@ -154,6 +156,7 @@ def train_demo(wrap, description: str, argv: list[str] | None = None) -> None:
                     loss.backward()
                     model.finish_gradient_synchronization()
                 optimizer.step()
+                scheduler.step()
                 steps += 1
         elapsed = time.perf_counter() - start
         model.eval()

@@ -255,8 +255,15 @@ def _zero(stage: int, model: nn.Module, **kw):
                                              **kw, **args)
 
 
-def _check_memory(zo, stage: int, rank: int, world_size: int, elem: int, what: str) -> None:
+def _check_memory(zo, model: nn.Module, stage: int, rank: int, world_size: int, elem: int, what: str) -> None:
     """At rest: params/grads/optimizer state are the textbook fractions of the padded Psi."""
+    # Independent of the wrapper's own accounting: no full gradient is kept (stage 2, 3),
+    # and no full parameter keeps memory behind it (stage 3).
+    for name, p in model.named_parameters():
+        if p.requires_grad and stage >= 2:
+            assert p.grad is None, f"{what}: {name} still holds a full gradient at rest"
+        if p.requires_grad and stage == 3:
+            assert p.untyped_storage().size() == 0, f"{what}: {name} is still gathered at rest"
     psi = _padded(zo.sharded_state_dict()) * elem  # padding: < W elements per bucket
     expected = {"params": psi // world_size if stage == 3 else psi,
                 "grads": psi if stage == 1 else psi // world_size,
@@ -323,7 +330,7 @@ def _check_zero(rank, world_size, stage, kind):
             builtin_opt.step()
             # Same averaged gradients, same elementwise AdamW: only summation order differs.
             assert_models_close(model, builtin.module, rank=rank, step=f"{what} vs ZeroRedundancyOptimizer", **TOL)
-        _check_memory(zo, stage, rank, world_size, elem, what)
+        _check_memory(zo, model, stage, rank, world_size, elem, what)
         if stage == 3:
             psi_pad = _padded(zo.sharded_state_dict()) * elem
             units = len(zo.sharded_state_dict()["layout"])
