@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -106,6 +107,14 @@ def cifar10(root: str | Path, split: str = "train", download: bool = False,
             def _check_integrity(self) -> bool:
                 base = Path(self.root) / self.base_folder
                 return all((base / name).is_file() for name, _ in self.train_list + self.test_list)
+
+            def _load_meta(self) -> None:
+                path = Path(self.root) / self.base_folder / self.meta["filename"]
+                if not path.is_file():
+                    raise RuntimeError(f"{path} not found")
+                with open(path, "rb") as f:
+                    self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
+                self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         cls = _Unverified
     try:
         return cls(str(root), train=(split == "train"), download=download, transform=tf)

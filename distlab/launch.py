@@ -21,6 +21,7 @@ it reads RANK/WORLD_SIZE/LOCAL_RANK, picks NCCL when every local rank has a GPU
 """
 from __future__ import annotations
 
+import atexit
 import builtins
 import multiprocessing as mp
 import os
@@ -51,10 +52,24 @@ def _context():
     # would otherwise import again in every rank of every test.
     global _CTX
     if _CTX is None:
+        atexit.register(_stop_helpers)
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.optim",
                                      "torch.testing", "torch.distributed.tensor", "distlab.launch"])
     return _CTX
+
+
+def _stop_helpers() -> None:
+    # The forkserver and multiprocessing's resource tracker would otherwise outlive this
+    # process by a moment and, where nothing reaps orphans (a container's PID 1), stay
+    # behind as zombies. Stop and reap them ourselves (private but stable since 3.8).
+    from multiprocessing import forkserver, resource_tracker
+
+    for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
+        try:
+            helper._stop()
+        except Exception:
+            pass
 
 
 def loopback_interface() -> str | None:

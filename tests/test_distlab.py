@@ -263,6 +263,8 @@ def test_cifar10_loader_reads_batches_and_names_the_flag_when_missing(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="--download"):
         cifar10(tmp_path, "train")
+    with pytest.raises(FileNotFoundError, match="--download"):
+        cifar10(tmp_path, "train", verify_checksums=False)
     base = tmp_path / "cifar-10-batches-py"
     base.mkdir()
     rng = np.random.default_rng(0)
