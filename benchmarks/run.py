@@ -31,7 +31,7 @@ BEGIN, END = "<!-- costs:begin -->", "<!-- costs:end -->"
 
 
 def topics() -> list[str]:
-    return sorted(m.name.removeprefix("bench_") for m in pkgutil.iter_modules([str(Path(__file__).parent))
+    return sorted(m.name.removeprefix("bench_") for m in pkgutil.iter_modules([str(Path(__file__).parent)])
                   if m.name.startswith("bench_"))
 
 

@@ -46,6 +46,16 @@ def digits(split: str = "train", image_size: int = 8, flatten: bool = False,
     return TensorDataset(x, y)
 
 
+def per_rank_batch(global_batch: int, world_size: int) -> int:
+    """Each rank's share of a global batch; a ValueError with the arithmetic when it does not divide."""
+    if global_batch % world_size:
+        raise ValueError(f"--global-batch {global_batch} is not divisible by the world size {world_size} "
+                         f"({global_batch} % {world_size} = {global_batch % world_size}): each rank must get "
+                         f"an equal shard; try {global_batch - global_batch % world_size} or "
+                         f"{global_batch + world_size - global_batch % world_size}")
+    return global_batch // world_size
+
+
 def synthetic_classification(n: int = 256, in_features: int = 16, num_classes: int = 4,
                              seed: int = 0) -> TensorDataset:
     """Gaussian inputs labelled by a random linear teacher: learnable, seeded, exact on every rank."""

@@ -104,7 +104,7 @@ def evaluate(model: nn.Module, dataset, device: torch.device, batch_size: int = 
 
 
 def main(argv: list[str] | None = None) -> None:
-    from distlab.data import digits
+    from distlab.data import digits, per_rank_batch
     from distlab.launch import init_from_env, shutdown
     from distlab.metrics import format_table, log0, progress
     from distlab.models import TinyCNN
@@ -119,9 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     env = init_from_env()
     try:
-        if args.global_batch % env.world_size:
-            raise ValueError(f"--global-batch {args.global_batch} is not divisible by the world size "
-                             f"{env.world_size}: each rank must get an equal shard")
+        per_rank_batch(args.global_batch, env.world_size)  # a clear error if it does not divide
         train, test = digits("train", args.image_size), digits("test", args.image_size)
         torch.manual_seed(env.rank)  # deliberately different: the broadcast makes replicas equal
         model = TinyCNN(num_classes=10).to(env.device)

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     from torch.utils.data import DataLoader, DistributedSampler
 
     from distlab.comm import CommLedger
-    from distlab.data import digits
+    from distlab.data import digits, per_rank_batch
     from distlab.launch import init_from_env, shutdown
     from distlab.metrics import format_bytes, format_table, log0, progress
     from distlab.models import TinyCNN
@@ -157,9 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     env = init_from_env()
     try:
-        if args.global_batch % env.world_size:
-            raise ValueError(f"--global-batch {args.global_batch} is not divisible by the world size "
-                             f"{env.world_size}: each rank must get an equal shard")
+        per_rank_batch(args.global_batch, env.world_size)  # a clear error if it does not divide
         local_batch = args.global_batch // env.world_size
         k = -(-local_batch // args.micro_batch)  # ceil: the last micro-batch may be smaller
         train, test = digits("train", args.image_size), digits("test", args.image_size)

@@ -117,7 +117,7 @@ class DDPIndividualParameters(nn.Module):
 def train_demo(wrap, description: str, argv: list[str] | None = None) -> None:
     """TinyCNN on digits under ``wrap(model) -> DDP wrapper``; a summary table on rank 0."""
     from distlab.comm import CommLedger
-    from distlab.data import digits
+    from distlab.data import digits, per_rank_batch
     from distlab.launch import init_from_env, shutdown
     from distlab.metrics import format_bytes, format_table, log0, progress
     from distlab.models import TinyCNN
@@ -131,9 +131,7 @@ def train_demo(wrap, description: str, argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     env = init_from_env()
     try:
-        if args.global_batch % env.world_size:
-            raise ValueError(f"--global-batch {args.global_batch} is not divisible by the world size "
-                             f"{env.world_size}: each rank must get an equal shard")
+        per_rank_batch(args.global_batch, env.world_size)  # a clear error if it does not divide
         train, test = digits("train", 16), digits("test", 16)
         torch.manual_seed(env.rank)  # deliberately different: the wrapper's broadcast makes replicas equal
         model = wrap(TinyCNN(num_classes=10).to(env.device), args)
