@@ -185,7 +185,7 @@ def _slices(start: int, end: int, per_slice: int) -> list[tuple[int, int]]:
 
 
 def ring_allreduce_pipelined(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None,
-                             slice_bytes: int = 1 << 19) -> torch.Tensor:
+                             slice_bytes: int = 1 << 22) -> torch.Tensor:
     """All-reduce in place, ring schedule, with slices streamed through the ring.
 
     Each chunk is cut into slices of ``slice_bytes``. A slice received in

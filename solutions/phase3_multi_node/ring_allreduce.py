@@ -174,7 +174,7 @@ def ring_allreduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGro
 
 # --------------------------------------------------------------------------- pipelined
 _RS, _AG = 0, 1  # message tags: reduce-scatter and all-gather slices never match each other
-_WINDOW = 8  # reduce-scatter receives kept in flight (slot buffers of one slice each)
+_WINDOW = 4  # reduce-scatter receives kept in flight (slot buffers of one slice each)
 
 
 def _slices(start: int, end: int, per_slice: int) -> list[tuple[int, int]]:
@@ -182,7 +182,7 @@ def _slices(start: int, end: int, per_slice: int) -> list[tuple[int, int]]:
 
 
 def ring_allreduce_pipelined(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None,
-                             slice_bytes: int = 1 << 19) -> torch.Tensor:
+                             slice_bytes: int = 1 << 22) -> torch.Tensor:
     """All-reduce in place, ring schedule, with slices streamed through the ring.
 
     Each chunk is cut into slices of ``slice_bytes``. A slice received in
