@@ -23,7 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks.common import RESULTS, machine_info
+from benchmarks.common import RESULTS, machine_info, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         try:
             results[topic] = importlib.import_module(f"benchmarks.bench_{topic}").run(quick=args.quick)
+            write_result(topic, results[topic])
         except Exception:
             traceback.print_exc()
             failed.append(topic)
