@@ -36,7 +36,7 @@ def _contenders(world_size: int):
     from solutions.phase3_multi_node import ring_allreduce as ring
 
     def gloo_reduce_scatter(t):
-        out = torch.empty(t.numel() // world_size, dtype=t.dtype)
+        out = torch.empty(t.numel() // world_size, dtype=t.dtype, device=t.device)
         dist.reduce_scatter(out, list(t.chunk(world_size)))
         return out
 
@@ -50,11 +50,14 @@ def _contenders(world_size: int):
 
 def _worker(rank: int, world_size: int, sizes: list[int], repeats: int) -> dict:
     torch.set_num_threads(1)  # the adds are memory-bound; leave the cores to gloo's I/O threads
+    # With a GPU per rank run_distributed picks NCCL: the same comparison on cuda tensors.
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     allreduce, reduce_scatter = _contenders(world_size)
     contenders = {**allreduce, **reduce_scatter}
     samples = {name: {} for name in contenders}
     for nbytes in sizes:
-        x = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(rank))
+        x = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(rank)).to(device)
         expected = x.clone()
         dist.all_reduce(expected)
         for name, fn in allreduce.items():  # never report the speed of a wrong answer
@@ -67,13 +70,15 @@ def _worker(rank: int, world_size: int, sizes: list[int], repeats: int) -> dict:
         for rep in range(repeats + 1):  # the first round warms up connections and allocators
             for name, fn in contenders.items():
                 work.copy_(x)  # the same input every time (in-place results would grow)
+                sync()
                 dist.barrier()
                 start = time.perf_counter()
                 fn(work)
+                sync()
                 dist.barrier()
                 if rep:
                     samples[name][nbytes].append(time.perf_counter() - start)
-    return samples
+    return {"backend": dist.get_backend(), "samples": samples}
 
 
 def run(quick: bool = False) -> dict:
@@ -86,7 +91,8 @@ def run(quick: bool = False) -> dict:
     series: dict[str, list[tuple[float, float]]] = {}
     rows = []
     for world_size in (2, 4):
-        samples = run_distributed(_worker, world_size, sizes, repeats, timeout_s=600)[0]
+        out = run_distributed(_worker, world_size, sizes, repeats, timeout_s=600)[0]
+        result["backend"], samples = out["backend"], out["samples"]
         factor_ar, factor_rs = 2 * (world_size - 1) / world_size, (world_size - 1) / world_size
         for name, by_size in samples.items():
             factor = factor_rs if "reduce" in name and "scatter" in name else factor_ar
@@ -115,7 +121,7 @@ def run(quick: bool = False) -> dict:
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     png = plot_bandwidth(series, RESULTS / "collectives_busbw.png",
-                         title=f"bus bandwidth, gloo CPU ranks ({machine_info()['cores']} cores)")
+                         title=f"bus bandwidth, {result['backend']} ranks ({machine_info().get('gpu') or str(machine_info()['cores']) + ' cores'})")
     result["plot"] = str(png.relative_to(RESULTS.parent.parent))
     result["table"] = rows
     return result

@@ -54,7 +54,7 @@ def _worker(rank, world_size, epochs):
 
 def run(quick: bool = False) -> dict:
     epochs = 2 if quick else 4
-    ours, builtin = run_distributed(_worker, WORLD_SIZE, epochs, timeout_s=600)[0]
+    ours, builtin = run_distributed(_worker, WORLD_SIZE, epochs, backend="gloo", timeout_s=600)[0]
     base_acc = ours["ddp"]["accuracy"]
     comparisons, table = {}, []
     for method in ("fp16", "bf16", "topk", "powersgd"):

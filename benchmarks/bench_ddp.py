@@ -105,7 +105,7 @@ def _worker(rank, world_size, batch, steps, repeats, bucket_mb):
 def run(quick: bool = False, bucket_mb: float = BUCKET_MB) -> dict:
     world_size, batch = 2, 32
     steps, repeats = (2, 3) if quick else (3, 7)
-    samples = run_distributed(_worker, world_size, batch, steps, repeats, bucket_mb, timeout_s=1800)[0]
+    samples = run_distributed(_worker, world_size, batch, steps, repeats, bucket_mb, backend="gloo", timeout_s=1800)[0]
     result = {"name": "ddp", "machine": machine_info(), "world_size": world_size,
               "model": "torchvision resnet18(num_classes=10), 3x32x32", "batch_per_rank": batch,
               "bucket_mb": bucket_mb, "steps_per_repeat": steps, "repeats": repeats,

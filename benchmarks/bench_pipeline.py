@@ -96,7 +96,7 @@ def run(quick: bool = False) -> dict:
     for p in stages:
         for m in ([p, 4 * p] if quick else [p, 2 * p, 4 * p, 8 * p]):
             for schedule in ("gpipe", "1f1b", "interleaved"):
-                out = run_distributed(_worker, p, schedule, m, hidden, mb_rows, steps, timeout_s=300)[0]
+                out = run_distributed(_worker, p, schedule, m, hidden, mb_rows, steps, backend="gloo", timeout_s=300)[0]
                 theory = theoretical_bubble(p, m, 2 if schedule == "interleaved" else 1)
                 key = f"{schedule} bubble p={p} m={m}"
                 comparisons[key] = comparison(out["bubbles"], theory, world_size=p, size=f"m={m}",

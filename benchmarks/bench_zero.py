@@ -129,7 +129,7 @@ def _worker(rank, world_size, steps, repeats):
 def run(quick: bool = False) -> dict:
     world_size = 2
     steps, repeats = (3, 3) if quick else (5, 9)
-    ranks = run_distributed(_worker, world_size, steps, repeats, timeout_s=1200)
+    ranks = run_distributed(_worker, world_size, steps, repeats, backend="gloo", timeout_s=1200)
     samples, errors = ranks[0]["samples"], ranks[0]["errors"]
     result = {"name": "zero", "machine": machine_info(), "world_size": world_size,
               "model": "MLP 256-1024-1024-256-10, AdamW", "batch_per_rank": 64, "repeats": repeats,

@@ -13,6 +13,11 @@ Every benchmark module ``benchmarks/bench_<topic>.py`` has
 
 and writes it with ``write_result`` to benchmarks/results/<topic>.json (PNGs beside it).
 ``python -m benchmarks.run`` runs them all and writes benchmarks/results/summary.json.
+
+Backends: bench_collectives runs on NCCL with cuda tensors when every rank has a GPU
+(absolute bus bandwidths then mean something); the training benchmarks (ddp, zero,
+pipeline, compression) compare on gloo CPU ranks everywhere, so their ratios are
+comparable between machines.
 """
 from __future__ import annotations
 
