@@ -713,3 +713,54 @@ def _worker_hooks_under_torch_ddp_rebuild(rank, world_size, method):
 ])
 def test_compression_hooks_survive_torch_ddp_bucket_rebuild(method):
     run_distributed(_worker_hooks_under_torch_ddp_rebuild, 2, method)
+
+
+@pytest.mark.exercise("4.5-4.6 elastic resume")
+def test_node_loss_shrinks_the_job_like_resuming_on_fewer_ranks(tmp_path):
+    """Two torchrun agents (--nnodes=1:2, one rank each); node 1 is lost during step 15.
+
+    Node 0's agent re-rendezvouses alone and resumes the 2-rank checkpoint of step 14 on
+    1 rank. Baseline, without torchrun: 2 ranks train to step 14, then 1 rank resumes
+    from that checkpoint to the end. Both must end bitwise equal (same data order, same
+    RNG streams remapped to the new world size, same single-rank sums).
+    """
+    from distlab.launch import free_port
+
+    ft = _ft()
+    base = ft.RunConfig(steps=14, ckpt_dir=str(tmp_path / "baseline"))
+    run_distributed(_worker_uninterrupted, 2, base, timeout_s=60)
+    expected = run_distributed(_worker_uninterrupted, 1, replace(base, steps=40), timeout_s=60)[0]
+
+    port, out = free_port(), tmp_path / "final.pt"
+    args = ["--ckpt-dir", str(tmp_path / "ckpt"), "--steps", "40", "--crash-at-step", "15", "--crash-node", "1",
+            "--out", str(out)]
+    procs = []
+    try:
+        for node in (0, 1):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1",
+                   "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=shrink-{port}",
+                   f"--rdzv_conf=is_host={'true' if node == 0 else 'false'},last_call_timeout=1",
+                   "--max-restarts=2", "--monitor-interval=0.1", "-m", "solutions.phase4_production.fault_tolerance",
+                   *args]
+            env = dict(os.environ, OMP_NUM_THREADS="1", NODE_RANK=str(node))
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True, start_new_session=True))
+        outputs = [p.communicate(timeout=150)[0] for p in procs]
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+    todo_lines = [line for o in outputs for line in o.splitlines() if "LearnerTODO" in line]
+    if todo_lines:
+        raise LearnerTODO(todo_lines[-1].split("LearnerTODO: ")[-1])
+    assert procs[1].returncode != 0 and "node 1 lost at step 15" in outputs[1], outputs[1][-3000:]
+    assert procs[0].returncode == 0 and out.is_file(), f"node 0 exited {procs[0].returncode}:\n{outputs[0][-4000:]}"
+    assert "saved by 2 ranks, now 1" in outputs[0], outputs[0][-3000:]
+    final = torch.load(out, weights_only=True)
+    for name, value in expected.items():
+        reference = torch.tensor(value, dtype=final[name].dtype)
+        assert torch.equal(final[name], reference), \
+            f"parameter {name} differs from 2-then-1-rank training by {(final[name] - reference).abs().max().item():.3e}"

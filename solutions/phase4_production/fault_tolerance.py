@@ -57,6 +57,7 @@ class RunConfig:
     keep: int = 3
     crash_at_steps: tuple[int, ...] = ()
     crash_ranks: tuple[int, ...] = (1,)
+    crash_node: int = -1   # >= 0: instead of one rank, the node started with NODE_RANK=crash_node is lost
     dropout: float = 0.1   # draws from torch's RNG: a resume that forgets the RNG state diverges
     noise: float = 0.1     # input noise, also from torch's RNG
     lr: float = 0.02
@@ -128,7 +129,16 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> dict[str, torch.Tensor]
         x = x + cfg.noise * torch.randn_like(x)
         optimizer.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
-        if step == crash_step and rank == crash_rank:
+        if step == crash_step and cfg.crash_node >= 0 and os.environ.get("NODE_RANK") == str(cfg.crash_node):
+            # A lost machine: its torchrun agent and every rank on it vanish at once. (Fault
+            # injection is the one place this worker reads the environment: which node am I.)
+            print(f"[attempt {_attempt()}] rank {rank}: node {cfg.crash_node} lost at step {step}", flush=True)
+            try:  # the agent (our parent) first, so nothing is left to restart this node's ranks
+                os.kill(os.getppid(), signal.SIGKILL)
+            except ProcessLookupError:  # another rank of this node got there first
+                pass
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == crash_step and cfg.crash_node < 0 and rank == crash_rank:
             print(f"[attempt {_attempt()}] rank {rank}: injected crash (SIGKILL) at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no exception: like a lost node
         for p in model.parameters():  # data parallel: mean gradient over the global batch
@@ -165,13 +175,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="attempt i SIGKILLs --crash-rank during the i-th step given (needs MAX_RESTARTS)")
     parser.add_argument("--crash-rank", type=int, nargs="+", default=list(defaults.crash_ranks),
                         help="the rank killed by attempt i is the i-th of these (cycled)")
+    parser.add_argument("--crash-node", type=int, default=-1, metavar="NODE_RANK",
+                        help="at the crash step, the node started with this NODE_RANK is lost (its agent and "
+                             "ranks are SIGKILLed); with NNODES=MIN:MAX the others go on without it")
     parser.add_argument("--heartbeat-timeout", type=float, default=defaults.heartbeat_timeout_s)
     parser.add_argument("--out", default="", help="write the final parameters here (rank 0)")
     parser.add_argument("--fresh", action="store_true", help="delete --ckpt-dir first (attempt 0 only)")
     args = parser.parse_args(argv)
     cfg = RunConfig(steps=args.steps, global_batch=args.global_batch, ckpt_dir=args.ckpt_dir,
                     ckpt_every=args.ckpt_every, keep=args.keep, crash_at_steps=tuple(args.crash_at_step),
-                    crash_ranks=tuple(args.crash_rank), heartbeat_timeout_s=args.heartbeat_timeout, out=args.out)
+                    crash_ranks=tuple(args.crash_rank), crash_node=args.crash_node, heartbeat_timeout_s=args.heartbeat_timeout, out=args.out)
     env = init_from_env()
     try:
         if args.fresh and _attempt() == 0:
