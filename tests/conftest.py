@@ -17,6 +17,7 @@ import json
 import os
 import re
 from collections import OrderedDict
+from types import SimpleNamespace
 
 import pytest
 
@@ -47,6 +48,20 @@ def pytest_configure(config):
     config._distlab_results = OrderedDict()
 
 
+class _OneLine:
+    """A failure report of one line, also shown in pytest's short summary (``-rf``)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.reprcrash = SimpleNamespace(message=text, path="", lineno=0)
+
+    def toterminal(self, tw) -> None:
+        tw.line(self.text)
+
+    def __str__(self) -> str:
+        return self.text
+
+
 def _exercise(item) -> str:
     marker = item.get_closest_marker("exercise")
     return marker.args[0] if marker else "bench"
@@ -58,7 +73,7 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if call.excinfo is not None and call.excinfo.errisinstance(LearnerTODO):
         # One line: which TODO, which guideline section. The traceback adds nothing.
-        report.longrepr = f"{item.nodeid}: {call.excinfo.value}"
+        report.longrepr = _OneLine(str(call.excinfo.value))
     if report.when == "call" or (report.when == "setup" and not report.passed):
         error_type = call.excinfo.type.__name__ if call.excinfo is not None else None
         message = ""
