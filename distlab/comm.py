@@ -48,6 +48,17 @@ _SENDS = ("send", "isend")
 _RECVS = ("recv", "irecv")
 
 
+REDUCE_OPS = ("sum", "avg")
+
+
+def check_reduce_op(op: str, tensor: torch.Tensor) -> None:
+    """The hand-made collectives' ``op`` argument: "sum", or "avg" on a floating tensor."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+    if op == "avg" and not tensor.is_floating_point():
+        raise ValueError(f"op 'avg' needs a floating-point tensor, got {tensor.dtype}")
+
+
 def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
                           group: dist.ProcessGroup | None = None, async_op: bool = False):
     """``dist.reduce_scatter_single`` (torch >= 2.14) or ``dist.reduce_scatter_tensor`` (older).

@@ -25,14 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from distlab.comm import check_reduce_op
 from distlab.todo import todo
-
-OPS = ("sum", "avg")
-
-
-def _check_op(op: str) -> None:
-    if op not in OPS:
-        raise ValueError(f"op must be one of {OPS}, got {op!r}")
 
 
 def allreduce_reduce_broadcast(tensor: torch.Tensor, op: str = "sum",
@@ -48,7 +42,7 @@ def allreduce_reduce_broadcast(tensor: torch.Tensor, op: str = "sum",
     Collective: every rank of ``group`` must call it, or the root waits forever.
     Cost: root sends (W-1)N and receives (W-1)N bytes; other ranks N each way.
     """
-    _check_op(op)
+    check_reduce_op(op, tensor)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     # --- TODO 1.1: reduce to rank 0 with recv, then send the result back ---
     # Rank 0: receive every other rank's tensor (dist.recv(buf, group=group, group_src=src))
@@ -68,7 +62,7 @@ def allreduce_allgather_sum(tensor: torch.Tensor, op: str = "sum",
     Collective: every rank of ``group`` must call it.
     Cost: each rank receives (W-1)N bytes and holds W*N bytes at once.
     """
-    _check_op(op)
+    check_reduce_op(op, tensor)
     world_size = dist.get_world_size(group)
     gathered = [torch.empty_like(tensor) for _ in range(world_size)]
     # --- TODO 1.2: all-gather every rank's tensor into `gathered`, sum it locally ---
@@ -88,7 +82,7 @@ def allreduce_gather_scatter(tensor: torch.Tensor, op: str = "sum",
     Collective: every rank of ``group`` must call it.
     Cost: root receives (W-1)N and sends (W-1)N bytes; other ranks N each way.
     """
-    _check_op(op)
+    check_reduce_op(op, tensor)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     root = dist.get_global_rank(group, 0) if group is not None else 0
     data = tensor.contiguous()

@@ -25,12 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-OPS = ("sum", "avg")
-
-
-def _check_op(op: str) -> None:
-    if op not in OPS:
-        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+from distlab.comm import check_reduce_op
 
 
 def allreduce_reduce_broadcast(tensor: torch.Tensor, op: str = "sum",
@@ -46,7 +41,7 @@ def allreduce_reduce_broadcast(tensor: torch.Tensor, op: str = "sum",
     Collective: every rank of ``group`` must call it, or the root waits forever.
     Cost: root sends (W-1)N and receives (W-1)N bytes; other ranks N each way.
     """
-    _check_op(op)
+    check_reduce_op(op, tensor)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     if rank == 0:
         incoming = torch.empty_like(tensor)
@@ -71,7 +66,7 @@ def allreduce_allgather_sum(tensor: torch.Tensor, op: str = "sum",
     Collective: every rank of ``group`` must call it.
     Cost: each rank receives (W-1)N bytes and holds W*N bytes at once.
     """
-    _check_op(op)
+    check_reduce_op(op, tensor)
     world_size = dist.get_world_size(group)
     gathered = [torch.empty_like(tensor) for _ in range(world_size)]
     dist.all_gather(gathered, tensor.contiguous(), group=group)
@@ -92,7 +87,7 @@ def allreduce_gather_scatter(tensor: torch.Tensor, op: str = "sum",
     Collective: every rank of ``group`` must call it.
     Cost: root receives (W-1)N and sends (W-1)N bytes; other ranks N each way.
     """
-    _check_op(op)
+    check_reduce_op(op, tensor)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     root = dist.get_global_rank(group, 0) if group is not None else 0
     data = tensor.contiguous()

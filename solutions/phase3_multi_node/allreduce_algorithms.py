@@ -26,14 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-OPS = ("sum", "avg")
-
-
-def _check_op(op: str, tensor: torch.Tensor) -> None:
-    if op not in OPS:
-        raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    if op == "avg" and not tensor.is_floating_point():
-        raise ValueError(f"op 'avg' needs a floating-point tensor, got {tensor.dtype}")
+from distlab.comm import check_reduce_op
 
 
 def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group: dist.ProcessGroup | None = None) -> None:
@@ -61,7 +54,7 @@ def halving_doubling_allreduce(tensor: torch.Tensor, op: str = "sum",
     Otherwise, with p the largest power of two below W: ranks p..W-1 send N to rank r-p
     and get N back; ranks 0..p-1 run the power-of-two algorithm on p ranks.
     """
-    _check_op(op, tensor)
+    check_reduce_op(op, tensor)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
     p = 1 << (world_size.bit_length() - 1)  # largest power of two <= W
@@ -157,7 +150,7 @@ def hierarchical_allreduce(tensor: torch.Tensor, groups: NodeGroups, op: str = "
     Cost: inside a node, a reduce and a broadcast of N bytes; across nodes, one
     all-reduce of N bytes among the M leaders only (2(M-1)/M * N per leader with a ring).
     """
-    _check_op(op, tensor)
+    check_reduce_op(op, tensor)
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
     dist.reduce(flat, group=groups.intra, group_dst=0)  # node sum lands on the leader
     if groups.is_leader:

@@ -30,7 +30,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
-OPS = ("sum", "avg")
+from distlab.comm import check_reduce_op
 
 
 # --------------------------------------------------------------------------- helpers
@@ -44,13 +44,6 @@ def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
         bounds.append((start, end))
         start = end
     return bounds
-
-
-def _check_op(op: str, tensor: torch.Tensor) -> None:
-    if op not in OPS:
-        raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    if op == "avg" and not tensor.is_floating_point():
-        raise ValueError(f"op 'avg' needs a floating-point tensor, got {tensor.dtype}")
 
 
 def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
@@ -117,7 +110,7 @@ def ring_reduce_scatter(tensor: torch.Tensor, op: str = "sum",
     Collective: every rank of ``group`` must call it with the same numel and dtype.
     Cost: W-1 steps; sends N - n_rank elements ((W-1)/W * N bytes when W divides N).
     """
-    _check_op(op, tensor)
+    check_reduce_op(op, tensor)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     flat = tensor.detach().reshape(-1).clone()  # a private, contiguous working copy
     _ring_reduce_scatter_(flat, group)
@@ -158,7 +151,7 @@ def ring_allreduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGro
     Collective: every rank of ``group`` must call it, with the same shape and dtype.
     Cost: 2(W-1) steps; sends 2(W-1)/W * N bytes per rank (N - n_r + N - n_{r+1} elements).
     """
-    _check_op(op, tensor)
+    check_reduce_op(op, tensor)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     # Work in place when we can; a non-contiguous view needs a flat copy and a copy back.
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
@@ -197,7 +190,7 @@ def ring_allreduce_pipelined(tensor: torch.Tensor, op: str = "sum", group: dist.
     Cost: the same bytes as ``ring_allreduce`` (2(W-1)/W * N per rank), in more, smaller messages:
     2(W-1) * ceil(n / slice) sends; time ~ 2(W-1) alpha + 2(W-1)/W N beta + the adds, hidden.
     """
-    _check_op(op, tensor)
+    check_reduce_op(op, tensor)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
     if world_size > 1:
