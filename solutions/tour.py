@@ -278,7 +278,7 @@ def run_strategy(name: str, rank: int, world_size: int, batches, hidden: int, mi
             "timeline": run.timeline() if run.timeline else None}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     from distlab.launch import init_from_env, shutdown
     from distlab.plots import plot_bars, plot_loss_curves, plot_timeline
 
@@ -290,10 +290,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", nargs="*", default=None, help=f"a subset of: {list(STRATEGIES)}")
     args = parser.parse_args(argv)
     steps = args.steps or (12 if args.quick else 60)
-    hidden = args.hidden or (64 if args.quick else 256)
     env = init_from_env()
     try:
         W = env.world_size
+        # Tensor parallelism splits the hidden layers W ways: round the default down to a multiple of W.
+        hidden = args.hidden or (64 if args.quick else 256) // W * W
         microbatches = 2 * W
         global_batch = 24 * W * microbatches // W  # divisible by W and by the micro-batch count
         batches = global_batches(steps, global_batch)
@@ -305,11 +306,13 @@ def main(argv: list[str] | None = None) -> None:
             log0(f"[{i + 1}/{len(names)}] {name} ...")
             results[name] = run_strategy(name, env.rank, W, batches, hidden, microbatches)
         base = results["single process"]
-        rows = []
+        rows, summary = [], {}
         for name, r in results.items():
             diff = max((r["full_state"][k] - v).abs().max().item() for k, v in base["full_state"].items())
             state = torch.tensor([float(r["state_bytes"])])
             dist.all_reduce(state, op=dist.ReduceOp.MAX)  # the fullest rank
+            summary[name] = {"final_loss": r["losses"][-1], "max_param_diff": diff, "state_bytes": state.item(),
+                             "bytes_per_step": r["bytes_per_step"]}
             rows.append({"strategy": name, "final loss": f"{r['losses'][-1]:.4f}", "max |param - single|": f"{diff:.1e}",
                          "samples/s": f"{steps * global_batch / r['wall']:.0f}",
                          "sent/step/rank": format_bytes(r["bytes_per_step"]),
@@ -334,6 +337,7 @@ def main(argv: list[str] | None = None) -> None:
                                            title=f"1F1B, {W} stages, {microbatches} micro-batches (last step)"))
         if env.rank == 0:
             log0("plots: " + ", ".join(str(p) for p in paths))
+        return summary
     finally:
         shutdown()
 
