@@ -17,6 +17,7 @@ set -euo pipefail
 
 # mode -> module run with `torchrun -m` (one line each; tests parse this table)
 declare -A MODES=(
+  [sequence_parallel]=solutions.phase2_advanced.sequence_parallel
   [pipeline_interleaved]=solutions.phase2_advanced.pipeline
   [parameter_server]=solutions.phase3_multi_node.parameter_server
   [model_split]=solutions.phase2_advanced.model_split
