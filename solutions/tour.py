@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import time
 from pathlib import Path
 from typing import Callable
@@ -337,6 +338,12 @@ def main(argv: list[str] | None = None) -> dict:
                                            title=f"1F1B, {W} stages, {microbatches} micro-batches (last step)"))
         if env.rank == 0:
             log0("plots: " + ", ".join(str(p) for p in paths))
+        # Free the strategies' objects (torch DDP's reducers with their comm hooks, pipeline
+        # sends) while the process group still exists, and leave together: destroying the
+        # group under live C++ communication objects can abort the process at exit.
+        del results
+        gc.collect()
+        dist.barrier()
         return summary
     finally:
         shutdown()
