@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -324,6 +325,9 @@ def shutdown() -> None:
     """Destroy the default process group if there is one (call in ``finally``).
 
     Inside ``run_distributed`` the launcher owns the group and destroys it itself.
+    Unreachable objects that still hold communication state (a DDP reducer in a
+    reference cycle, a pending send) are collected first, while the group exists.
     """
+    gc.collect()
     if dist.is_initialized() and not _IN_RUN_DISTRIBUTED:
         dist.destroy_process_group()

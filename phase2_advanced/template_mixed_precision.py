@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         def lm_loss(logits, targets):
             return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-        rows = []
+        rows, reference = [], None
         for name in args.dtypes.split(","):
             dtype = getattr(torch, name)
             torch.manual_seed(0)  # same initial weights on every rank and for every dtype
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
             elapsed = time.perf_counter() - start
             dist.all_reduce(loss)
             final = loss.item() / env.world_size
-            reference = reference if rows else final
+            reference = final if reference is None else reference  # the first dtype (float32)
             rows.append({"compute dtype": name, "final loss": f"{final:.4f}", "vs float32": f"{final - reference:+.1e}",
                          "skipped steps": skipped, "final scale": f"{scaler.get_scale():g}",
                          "bytes all-reduced/step": format_bytes(ledger.bytes("all_reduce") / args.steps),

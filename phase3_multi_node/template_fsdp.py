@@ -24,7 +24,6 @@ Run: ``RUN_MODE=zero ./entrypoint.sh --stage 3 [--compute-dtype bfloat16]`` (zer
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import itertools
 import math

@@ -172,6 +172,10 @@ def ring_allreduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGro
 
 
 # --------------------------------------------------------------------------- pipelined
+_RS, _AG = 0, 1  # message tags: reduce-scatter and all-gather slices never match each other
+_WINDOW = 4  # reduce-scatter receives kept in flight (slot buffers of one slice each)
+
+
 def _slices(start: int, end: int, per_slice: int) -> list[tuple[int, int]]:
     return [(s, min(s + per_slice, end)) for s in range(start, end, per_slice)]
 

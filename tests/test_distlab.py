@@ -1,7 +1,6 @@
 """The bench itself: launcher, ledger, loader switch, data, models, metrics, plots, grading."""
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import pickle

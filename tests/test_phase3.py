@@ -139,7 +139,15 @@ def _worker_all_gather_bad_chunk(rank, world_size):
 
 
 # --------------------------------------------------------------------------- 3.3-3.4 all-reduce
-def _check_allreduce(rank, world_size, fn, name):
+def _ring_volume(ledger, rank, world_size, expected, what):
+    sizes, es, n = _sizes(expected.numel(), world_size), expected.element_size(), expected.numel()
+    sent = (2 * n - sizes[rank] - sizes[(rank + 1) % world_size]) * es
+    assert ledger.sent_bytes() == sent, f"{what}: sent {ledger.sent_bytes()} B, expected {sent} B"
+    if n % world_size == 0:  # the textbook figure, exact when W divides N
+        assert ledger.sent_bytes() == 2 * (world_size - 1) * n * es // world_size, what
+
+
+def _check_allreduce(rank, world_size, fn, name, check_volume=_ring_volume):
     for shape, dtype, op, inputs, expected in _cases(world_size):
         what = f"rank {rank}, {name}, shape {shape}, {dtype}, op {op}"
         builtin = inputs[rank].clone()
@@ -155,11 +163,7 @@ def _check_allreduce(rank, world_size, fn, name):
         assert_tensors_close(mine, expected, f"{what} vs single-process sum")  # reordered sums: dtype rounding
         assert_tensors_close(mine, builtin, f"{what} vs dist.all_reduce")
         _check_p2p_only(ledger, what)
-        sizes, es, n = _sizes(expected.numel(), world_size), expected.element_size(), expected.numel()
-        sent = (2 * n - sizes[rank] - sizes[(rank + 1) % world_size]) * es
-        assert ledger.sent_bytes() == sent, f"{what}: sent {ledger.sent_bytes()} B, expected {sent} B"
-        if n % world_size == 0:  # the textbook figure, exact when W divides N
-            assert ledger.sent_bytes() == 2 * (world_size - 1) * n * es // world_size, what
+        check_volume(ledger, rank, world_size, expected, what)
         ref = mine.clone()
         dist.broadcast(ref, src=0)
         assert torch.equal(mine, ref), f"{what}: rank {rank} differs from rank 0 (all ranks must agree bitwise)"
@@ -206,34 +210,21 @@ def test_ring_rejects_unknown_op_and_integer_avg():
 
 
 # --------------------------------------------------------------------------- 3.5 halving-doubling
+def _halving_doubling_volume(ledger, rank, world_size, expected, what):
+    n, es = expected.numel(), expected.element_size()
+    p = 1 << (world_size.bit_length() - 1)
+    if p == world_size and n % world_size == 0:  # the textbook figure, exact
+        assert ledger.sent_bytes() == 2 * (world_size - 1) * n * es // world_size, \
+            f"{what}: sent {ledger.sent_bytes()} B, expected 2(W-1)/W * {n * es} B"
+        # log2(W) exchanges each way: 2 log2(W) sends (empty blocks aside)
+        assert ledger.calls("isend") + ledger.calls("send") <= 2 * (world_size.bit_length() - 1), what
+    elif rank >= p:  # an extra rank of a non-power-of-two world: N out, N back
+        assert ledger.sent_bytes() == n * es, f"{what}: extra rank sent {ledger.sent_bytes()} B, expected {n * es}"
+
+
 def _worker_halving_doubling(rank, world_size):
-    algos = load(PHASE, "allreduce_algorithms")
-    for shape, dtype, op, inputs, expected in _cases(world_size):
-        what = f"rank {rank}, halving_doubling_allreduce, shape {shape}, {dtype}, op {op}"
-        builtin = inputs[rank].clone()
-        dist.all_reduce(builtin)
-        if op == "avg":
-            builtin /= world_size
-        mine = inputs[rank].t().clone().t() if not inputs[rank].is_contiguous() else inputs[rank].clone()
-        ledger = CommLedger()
-        with ledger:
-            out = algos.halving_doubling_allreduce(mine, op=op)
-        assert out is mine, f"{what}: must work in place and return its argument"
-        assert_tensors_close(mine, expected, f"{what} vs single-process sum")  # reordered sums: dtype rounding
-        assert_tensors_close(mine, builtin, f"{what} vs dist.all_reduce")
-        _check_p2p_only(ledger, what)
-        n, es = expected.numel(), expected.element_size()
-        p = 1 << (world_size.bit_length() - 1)
-        if p == world_size and n % world_size == 0:  # the textbook figure, exact
-            assert ledger.sent_bytes() == 2 * (world_size - 1) * n * es // world_size, \
-                f"{what}: sent {ledger.sent_bytes()} B, expected 2(W-1)/W * {n * es} B"
-            # log2(W) exchanges each way: 2 log2(W) sends (empty blocks aside)
-            assert ledger.calls("isend") + ledger.calls("send") <= 2 * (world_size.bit_length() - 1), what
-        elif rank >= p:  # an extra rank of a non-power-of-two world: N out, N back
-            assert ledger.sent_bytes() == n * es, f"{what}: extra rank sent {ledger.sent_bytes()} B, expected {n * es}"
-        ref = mine.clone()
-        dist.broadcast(ref, src=0)
-        assert torch.equal(mine, ref), f"{what}: rank {rank} differs from rank 0 (all ranks must agree bitwise)"
+    _check_allreduce(rank, world_size, load(PHASE, "allreduce_algorithms").halving_doubling_allreduce,
+                     "halving_doubling_allreduce", _halving_doubling_volume)
 
 
 @pytest.mark.exercise("3.5 recursive halving-doubling")

@@ -17,7 +17,6 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import warnings
 from dataclasses import replace
 from datetime import timedelta
@@ -31,7 +30,6 @@ import torch.nn.functional as F
 
 from distlab import load
 from distlab.launch import run_distributed
-from distlab.loader import module_path
 from distlab.testing import assert_tensors_close
 from distlab.todo import LearnerTODO
 

@@ -42,6 +42,13 @@ def _public_api(module) -> dict[str, str]:
     return api
 
 
+def _module_names(module) -> set[str]:
+    """Names defined at module level (functions, classes, constants), imports excluded."""
+    return {name for name, obj in vars(module).items()
+            if not name.startswith("__") and not inspect.ismodule(obj)
+            and getattr(obj, "__module__", module.__name__) == module.__name__}
+
+
 def _imports(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
     names = set()
@@ -70,6 +77,10 @@ def test_template_api_matches_solution(template):
         assert s_api[name] == sig, f"{template.name}: {name}{sig} != solution's {name}{s_api[name]}"
     extra = sorted(set(s_api) - set(t_api))
     assert not extra, f"{solution.name}: public names missing from the template: {extra}"
+    # Scaffolding too: a private helper or constant the solution defines (a message tag,
+    # a window size) must be given to the learner, not left for them to guess.
+    missing_private = sorted(_module_names(smod) - _module_names(tmod))
+    assert not missing_private, f"{template.name}: the solution's {missing_private} are missing from the template"
 
 
 @pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: f"{p.parent.name}/{p.name}")
