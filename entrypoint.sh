@@ -6,6 +6,8 @@
 #
 # Environment (all optional):
 #   RUN_MODE      which run (default: the tour, else data_parallel_naive); see MODES below
+#   IMPL          whose lesson code the demo runs: solutions (default) or templates (yours;
+#                 an unfinished TODO ends the run with one line naming it)
 #   NPROC         processes per node (default 2; NPROC=gpu: one per GPU)
 #   NNODES        number of nodes (default 1; "MIN:MAX" for an elastic job)
 #   NODE_RANK     this node's rank (multi-node; with c10d rendezvous it is only a hint)
@@ -15,31 +17,32 @@
 #   MAX_RESTARTS  torchrun --max-restarts (default 0)
 set -euo pipefail
 
-# mode -> module run with `torchrun -m` (one line each; tests parse this table)
+# mode -> module run with `torchrun -m` (one line each; tests parse this table). Every
+# mode is a demo in demos/: it runs the lesson code chosen by IMPL (below) and prints a summary.
 declare -A MODES=(
-  [sequence_parallel]=solutions.phase2_advanced.sequence_parallel
-  [pipeline_interleaved]=solutions.phase2_advanced.pipeline
-  [parameter_server]=solutions.phase3_multi_node.parameter_server
-  [model_split]=solutions.phase2_advanced.model_split
-  [tp_dp_2d]=solutions.phase2_advanced.tp_dp_2d
-  [activation_checkpointing]=solutions.phase2_advanced.activation_checkpointing
-  [monitoring]=solutions.phase4_production.monitoring
-  [compression]=solutions.phase4_production.compression
-  [tour]=solutions.tour
-  [mixed_precision]=solutions.phase2_advanced.mixed_precision
-  [imagenet]=solutions.phase4_production.imagenet_trainer
-  [zero]=solutions.phase3_multi_node.zero_demo
-  [fault_tolerance]=solutions.phase4_production.fault_tolerance
-  [pipeline_1f1b]=solutions.phase2_advanced.pipeline
-  [pipeline_gpipe]=solutions.phase2_advanced.pipeline
-  [ring_allreduce]=solutions.phase3_multi_node.ring_allreduce
-  [tensor_parallel]=solutions.phase2_advanced.tensor_parallel
-  [data_parallel_naive_grad_accumulation]=solutions.phase2_advanced.grad_accumulation
-  [data_parallel_bucket_overlap]=solutions.phase3_multi_node.ddp_bucketed
-  [data_parallel_overlap]=solutions.phase3_multi_node.ddp_overlap
-  [comm]=solutions.phase1_data_parallel.collectives
-  [train]=solutions.phase1_data_parallel.data_loader
-  [data_parallel_naive]=solutions.phase1_data_parallel.trainer
+  [tour]=demos.tour
+  [comm]=demos.comm
+  [train]=demos.train
+  [data_parallel_naive]=demos.data_parallel_naive
+  [data_parallel_naive_grad_accumulation]=demos.data_parallel_naive_grad_accumulation
+  [mixed_precision]=demos.mixed_precision
+  [activation_checkpointing]=demos.activation_checkpointing
+  [model_split]=demos.model_split
+  [pipeline_gpipe]=demos.pipeline
+  [pipeline_1f1b]=demos.pipeline
+  [pipeline_interleaved]=demos.pipeline
+  [tensor_parallel]=demos.tensor_parallel
+  [tp_dp_2d]=demos.tp_dp_2d
+  [sequence_parallel]=demos.sequence_parallel
+  [ring_allreduce]=demos.ring_allreduce
+  [parameter_server]=demos.parameter_server
+  [data_parallel_overlap]=demos.data_parallel_overlap
+  [data_parallel_bucket_overlap]=demos.data_parallel_bucket_overlap
+  [zero]=demos.zero
+  [fault_tolerance]=demos.fault_tolerance
+  [compression]=demos.compression
+  [monitoring]=demos.monitoring
+  [imagenet]=demos.imagenet
 )
 
 valid_modes() { printf '%s\n' "${!MODES[@]}" | sort | tr '\n' ' '; }
@@ -52,6 +55,12 @@ if [[ -z "${MODES[$RUN_MODE]:-}" ]]; then
   exit 2
 fi
 module=${MODES[$RUN_MODE]}
+IMPL=${IMPL:-${DISTLAB_IMPL:-solutions}}
+if [[ "$IMPL" != "solutions" && "$IMPL" != "templates" ]]; then
+  echo "entrypoint.sh: IMPL must be 'solutions' or 'templates', not '$IMPL'" >&2
+  exit 2
+fi
+export DISTLAB_IMPL=$IMPL   # read by distlab.loader.load() in every rank
 
 NPROC=${NPROC:-2}
 NNODES=${NNODES:-1}
@@ -78,5 +87,5 @@ else
   fi
 fi
 
-echo "entrypoint.sh: RUN_MODE=$RUN_MODE -> torchrun ${args[*]} -m $module $*" >&2
+echo "entrypoint.sh: RUN_MODE=$RUN_MODE IMPL=$IMPL -> torchrun ${args[*]} -m $module $*" >&2
 exec torchrun "${args[@]}" -m "$module" "$@"

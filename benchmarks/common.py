@@ -31,6 +31,8 @@ from typing import Callable
 
 import torch
 
+from distlab.metrics import median, time_repeats  # noqa: F401  (re-exported for the benchmarks)
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -41,27 +43,6 @@ def machine_info() -> dict:
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpus"] = torch.cuda.device_count()
     return info
-
-
-def time_repeats(fn: Callable[[], object], repeats: int, warmup: int = 1,
-                 sync: Callable[[], None] | None = None) -> list[float]:
-    """Wall time of ``fn()`` ``repeats`` times after ``warmup`` untimed calls (``sync`` before each read)."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        if sync:
-            sync()
-        start = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        samples.append(time.perf_counter() - start)
-    return samples
-
-
-def median(values) -> float:
-    return statistics.median(values)
 
 
 def comparison(ours: list[float] | float, builtin: list[float] | float, world_size: int, size: str,

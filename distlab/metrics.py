@@ -12,7 +12,7 @@ import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,31 @@ def progress(iterable: Iterable, desc: str = "", total: int | None = None, **kwa
 def _sync(device: torch.device | None) -> None:
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def time_repeats(fn: Callable[[], object], repeats: int, warmup: int = 1,
+                 sync: Callable[[], None] | None = None) -> list[float]:
+    """Wall time of ``fn()`` ``repeats`` times after ``warmup`` untimed calls.
+
+    ``sync`` (e.g. ``torch.cuda.synchronize``) runs before each clock read, so queued GPU
+    work is timed when it finishes, not when it is launched.
+    """
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if sync:
+            sync()
+        start = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def median(values: Iterable[float]) -> float:
+    return statistics.median(list(values))
 
 
 class StepTimer:

@@ -1,3 +1,5 @@
+# Generated from solutions/phase1_data_parallel/collectives.py by `python -m distlab.templates --write`.
+# Write your code inside the '--- TODO' regions, in place of their `raise todo(...)`.
 """All-reduce three ways by hand, and a tour of the collective primitives.
 
 All-reduce leaves every rank holding the element-wise sum (or mean) of every
@@ -44,11 +46,10 @@ def allreduce_reduce_broadcast(tensor: torch.Tensor, op: str = "sum",
     """
     check_reduce_op(op, tensor)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    # --- TODO 1.1: reduce to rank 0 with recv, then send the result back ---
-    # Rank 0: receive every other rank's tensor (dist.recv(buf, group=group, group_src=src))
-    # and add it into `tensor`; divide by world_size for "avg"; send the result to every
-    # other rank (dist.send(tensor, group=group, group_dst=dst)).
-    # Other ranks: send `tensor` to group rank 0, then receive the result into `tensor`.
+    # --- TODO 1.1: all-reduce by reduce + broadcast ---
+    # Goal: every rank of `group` ends with the sum ("avg": the mean) of all ranks' `tensor`,
+    # written into `tensor`, using only point-to-point messages with group rank 0 as the hub.
+    # The result must be bitwise the same on every rank and on every run.
     raise todo("1.1 all-reduce by reduce + broadcast", "guidelines.md#all-reduce-three-ways")
     # --- end TODO 1.1 ---
     return tensor
@@ -65,10 +66,9 @@ def allreduce_allgather_sum(tensor: torch.Tensor, op: str = "sum",
     check_reduce_op(op, tensor)
     world_size = dist.get_world_size(group)
     gathered = [torch.empty_like(tensor) for _ in range(world_size)]
-    # --- TODO 1.2: all-gather every rank's tensor into `gathered`, sum it locally ---
-    # dist.all_gather(gathered, tensor.contiguous(), group=group), then add the W
-    # tensors in rank order (so every rank gets bitwise the same sum), divide by
-    # world_size for "avg", and copy the result into `tensor`.
+    # --- TODO 1.2: all-reduce by all-gather + local sum ---
+    # Goal: every rank collects all W tensors into `gathered` with one collective, then
+    # reduces them itself; `tensor` ends as the sum ("avg": mean), bitwise equal on all ranks.
     raise todo("1.2 all-reduce by all-gather + local sum", "guidelines.md#all-reduce-three-ways")
     # --- end TODO 1.2 ---
     return tensor
@@ -88,11 +88,10 @@ def allreduce_gather_scatter(tensor: torch.Tensor, op: str = "sum",
     data = tensor.contiguous()
     gathered = [torch.empty_like(data) for _ in range(world_size)] if rank == 0 else None
     result = torch.empty_like(data)
-    # --- TODO 1.3: gather to the root, sum there, scatter the result back ---
-    # dist.gather(data, gather_list=gathered, dst=root, group=group) (gather_list only
-    # on group rank 0); on rank 0 sum `gathered` in rank order (divide for "avg") and
-    # build scatter_list = [total] * world_size; every rank calls
-    # dist.scatter(result, scatter_list=..., src=root, group=group) (None off the root).
+    # --- TODO 1.3: all-reduce by gather + scatter ---
+    # Goal: the same result as 1.1, with two collectives instead of point-to-point: bring
+    # every rank's `data` to the root (global rank `root`), reduce there, and hand each rank
+    # its copy of the total in `result`. Only the root holds `gathered` (None elsewhere).
     raise todo("1.3 all-reduce by gather + scatter", "guidelines.md#all-reduce-three-ways")
     # --- end TODO 1.3 ---
     tensor.copy_(result)

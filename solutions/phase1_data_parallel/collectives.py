@@ -43,6 +43,10 @@ def allreduce_reduce_broadcast(tensor: torch.Tensor, op: str = "sum",
     """
     check_reduce_op(op, tensor)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    # ### BEGIN SOLUTION 1.1: all-reduce by reduce + broadcast [guidelines.md#all-reduce-three-ways]
+    # Goal: every rank of `group` ends with the sum ("avg": the mean) of all ranks' `tensor`,
+    # written into `tensor`, using only point-to-point messages with group rank 0 as the hub.
+    # The result must be bitwise the same on every rank and on every run.
     if rank == 0:
         incoming = torch.empty_like(tensor)
         for src in range(1, world_size):  # summed in rank order: the same on every run
@@ -55,6 +59,7 @@ def allreduce_reduce_broadcast(tensor: torch.Tensor, op: str = "sum",
     else:
         dist.send(tensor, group=group, group_dst=0)
         dist.recv(tensor, group=group, group_src=0)
+    # ### END SOLUTION 1.1
     return tensor
 
 
@@ -69,6 +74,9 @@ def allreduce_allgather_sum(tensor: torch.Tensor, op: str = "sum",
     check_reduce_op(op, tensor)
     world_size = dist.get_world_size(group)
     gathered = [torch.empty_like(tensor) for _ in range(world_size)]
+    # ### BEGIN SOLUTION 1.2: all-reduce by all-gather + local sum [guidelines.md#all-reduce-three-ways]
+    # Goal: every rank collects all W tensors into `gathered` with one collective, then
+    # reduces them itself; `tensor` ends as the sum ("avg": mean), bitwise equal on all ranks.
     dist.all_gather(gathered, tensor.contiguous(), group=group)
     total = gathered[0].clone()
     for other in gathered[1:]:  # rank order, identical on every rank
@@ -76,6 +84,7 @@ def allreduce_allgather_sum(tensor: torch.Tensor, op: str = "sum",
     if op == "avg":
         total /= world_size
     tensor.copy_(total)
+    # ### END SOLUTION 1.2
     return tensor
 
 
@@ -92,6 +101,11 @@ def allreduce_gather_scatter(tensor: torch.Tensor, op: str = "sum",
     root = dist.get_global_rank(group, 0) if group is not None else 0
     data = tensor.contiguous()
     gathered = [torch.empty_like(data) for _ in range(world_size)] if rank == 0 else None
+    result = torch.empty_like(data)
+    # ### BEGIN SOLUTION 1.3: all-reduce by gather + scatter [guidelines.md#all-reduce-three-ways]
+    # Goal: the same result as 1.1, with two collectives instead of point-to-point: bring
+    # every rank's `data` to the root (global rank `root`), reduce there, and hand each rank
+    # its copy of the total in `result`. Only the root holds `gathered` (None elsewhere).
     dist.gather(data, gather_list=gathered, dst=root, group=group)
     scatter_list = None
     if rank == 0:
@@ -101,8 +115,8 @@ def allreduce_gather_scatter(tensor: torch.Tensor, op: str = "sum",
         if op == "avg":
             total /= world_size
         scatter_list = [total] * world_size
-    result = torch.empty_like(data)
     dist.scatter(result, scatter_list=scatter_list, src=root, group=group)
+    # ### END SOLUTION 1.3
     tensor.copy_(result)
     return tensor
 

@@ -1,0 +1,96 @@
+"""Building blocks that several lessons reuse once they have been taught.
+
+Phase 1 teaches these (1.6-1.7: broadcast the initial model, average the
+gradients); later phases, whose lesson is something else, call the bench's copy
+here instead of re-writing them, so each exists once. A template may import
+them: they are the "built-in" of a building block taught elsewhere.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+def group_root(group: dist.ProcessGroup | None = None) -> int:
+    """The global rank of ``group``'s rank 0 (what ``src=``/``dst=`` arguments expect)."""
+    return dist.get_global_rank(group, 0) if group is not None else 0
+
+
+def broadcast_tensors(tensors: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
+    """Overwrite each tensor, in place, with group rank 0's.
+
+    Collective: every rank of ``group`` must call it with tensors of the same shapes, in
+    the same order, or the ranks pair the wrong tensors (a hang or garbage).
+    Cost: sum of the tensors' bytes, from group rank 0.
+    """
+    src = group_root(group)
+    with torch.no_grad():
+        for t in tensors:
+            dist.broadcast(t, src=src, group=group)
+
+
+def broadcast_module(module: nn.Module, group: dist.ProcessGroup | None = None, buffers: bool = True) -> None:
+    """Make every replica of ``module`` equal to group rank 0's (parameters, and buffers if asked).
+
+    Equivalent to: loading group rank 0's ``state_dict`` on every rank.
+    Collective: every rank of ``group`` must call it, with the same model structure.
+    Cost: |params| (+ |buffers|) bytes from group rank 0.
+    """
+    tensors = itertools.chain(module.parameters(), module.buffers() if buffers else ())
+    broadcast_tensors(tensors, group)
+
+
+def allreduce_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None,
+                        average: bool = True) -> None:
+    """Replace every ``p.grad`` by its sum (``average``: its mean) over the ranks of ``group``.
+
+    Parameters without a gradient are skipped; a tied parameter listed once is reduced once.
+    Equivalent to: the gradient of the mean loss over the global batch, when every rank's
+    shard has the same size.
+    Collective: every rank must call it with the same parameters holding gradients.
+    Cost: one all-reduce per gradient; 2(W-1)/W * |grads| bytes per rank with a ring.
+    """
+    world_size = dist.get_world_size(group)
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
+            if average:
+                p.grad /= world_size
+
+
+class NoSyncMixin:
+    """``no_sync()`` for a data-parallel wrapper whose hooks look at ``self.require_sync``.
+
+    Inside ``with wrapper.no_sync():`` backwards accumulate ``p.grad`` locally; the next
+    backward outside reduces the accumulated sum, as in ``torch.nn.parallel.DistributedDataParallel``.
+    """
+
+    require_sync: bool = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+
+def check_divisible(n: int, parts: int, what: str, by_what: str) -> int:
+    """``n // parts``, or a ValueError that shows the arithmetic.
+
+    >>> check_divisible(10, 3, "hidden size", "tensor-parallel size")
+    Traceback (most recent call last):
+    ValueError: hidden size 10 is not divisible by tensor-parallel size 3 (10 = 3 * 3 + 1)
+    """
+    if parts <= 0:
+        raise ValueError(f"{by_what} must be positive, got {parts}")
+    if n % parts:
+        raise ValueError(f"{what} {n} is not divisible by {by_what} {parts} "
+                         f"({n} = {n // parts} * {parts} + {n % parts})")
+    return n // parts
