@@ -32,7 +32,8 @@ def grade(student_dir: str | None, out: str, impl: str = "templates", tests: lis
           pytest_args: list[str] | None = None, timeout_s: float = 3600) -> dict:
     """Run pytest on the student's code and return (and write) the Gradescope results."""
     cmd = [sys.executable, "-m", "pytest", *(tests or phase_test_files()), f"--impl={impl}",
-           f"--results-json={os.path.abspath(out)}", "-q", "-p", "no:cacheprovider", *(pytest_args or [])]
+           f"--results-json={os.path.abspath(out)}", "-q", "-p", "no:cacheprovider",
+           f"--rootdir={REPO}", "-c", str(REPO / "pyproject.toml"), *(pytest_args or [])]
     if student_dir:
         if not Path(student_dir).is_dir():
             raise FileNotFoundError(f"--student-dir {student_dir} is not a directory")

@@ -4,14 +4,16 @@
 solution (``solutions/phase1_data_parallel/collectives.py``) or the learner's
 template (``phase1_data_parallel/template_collectives.py``), from this repository
 or from a student's copy elsewhere. The choice travels in environment variables
-(set by ``pytest --impl ... --student-dir ...`` in tests/conftest.py) because
+(set by ``pytest --impl ... --student-dir ...`` in distlab/pytest_plugin.py) because
 spawned ranks re-import modules and inherit the environment, not pytest's options.
 """
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -36,20 +38,82 @@ def module_path(phase: str, name: str, impl: str | None = None) -> tuple[str, st
     return f"{phase}.template_{name}", f"{phase}/template_{name}.py"
 
 
+class IntegrityError(ImportError):
+    """A template reaches for the reference solutions instead of implementing the exercise."""
+
+
+def _forbidden_imports(path: Path) -> list[str]:
+    """Names of ``solutions`` modules (or other templates) a file imports, statically or by string."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                re.fullmatch(r"(solutions|phase\d\w*)([./]\w+)*(\.py)?", node.value.strip()):
+            names = [node.value.strip()]  # importlib.import_module("solutions..."), __import__, runpy
+        found += [n for n in names if n.split(".")[0] == "solutions" or n.startswith("solutions/")
+                  or ".template_" in n or "/template_" in n]
+    return found
+
+
+def _check_integrity(module: ModuleType, path: Path) -> None:
+    """Refuse a template that imports reference solutions or other templates.
+
+    Checked twice: the source (imports, and module names as strings for importlib tricks),
+    and, after import, every function and class it holds (``from solutions.x import *``
+    leaves objects whose ``__module__`` is ``solutions.x``, however the import was spelled).
+    """
+    where = f"{path.parent.name}/{path.name}"
+    if bad := _forbidden_imports(path):
+        raise IntegrityError(f"{where} imports {sorted(set(bad))}: a template may use torch and distlab only "
+                             "(the exercise scores 0 until it implements the TODO itself)")
+    for name, obj in vars(module).items():
+        owner = getattr(obj, "__module__", None) or ""
+        if isinstance(obj, ModuleType):
+            owner = obj.__name__
+        if owner != module.__name__ and (owner.split(".")[0] == "solutions" or ".template_" in owner):
+            raise IntegrityError(f"{where}: `{name}` comes from {owner}: a template may use torch and distlab "
+                                 "only (the exercise scores 0 until it implements the TODO itself)")
+
+
 def load(phase: str, name: str, impl: str | None = None) -> ModuleType:
-    """Import the implementation of ``phase``/``name`` that the run is grading."""
+    """Import the implementation of ``phase``/``name`` that the run is grading.
+
+    ``impl=None``: the graded implementation (``DISTLAB_IMPL``), from the student's copy when
+    ``DISTLAB_STUDENT_DIR`` is set. ``impl="solutions"`` asked explicitly: the reference,
+    always from this checkout, for tests that need a building block graded elsewhere.
+    A template that imports the solutions raises IntegrityError.
+    """
+    explicit = impl is not None
+    impl = impl or current_impl()
     dotted, rel = module_path(phase, name, impl)
-    student_dir = os.environ.get(STUDENT_DIR_ENV)
+    student_dir = None if explicit else os.environ.get(STUDENT_DIR_ENV)
     if not student_dir:
-        return importlib.import_module(dotted)
+        module = importlib.import_module(dotted)
+        if impl == "templates":
+            _check_integrity(module, Path(module.__file__))
+        return module
     path = Path(student_dir) / rel
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: --student-dir must point at a copy of the repository")
     key = f"_student.{dotted}"
     if key in sys.modules:
         return sys.modules[key]
+    if impl == "templates" and (bad := _forbidden_imports(path)):
+        raise IntegrityError(f"{rel} imports {sorted(set(bad))}: a template may use torch and distlab only "
+                             "(the exercise scores 0 until it implements the TODO itself)")
     spec = importlib.util.spec_from_file_location(key, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[key] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+        if impl == "templates":
+            _check_integrity(module, path)
+    except BaseException:
+        del sys.modules[key]  # the next load raises again instead of returning a half-imported module
+        raise
     return module

@@ -1,52 +1,35 @@
-"""Templates mirror solutions, and untouched templates fail every test cleanly.
+"""Templates are generated from the solutions, and untouched templates fail every test cleanly.
 
-1. Every public name of every ``phaseN_*/template_<x>.py`` exists in
-   ``solutions/phaseN_*/<x>.py`` with the same signature (methods of public classes
-   included), so a learner's finished template drops in where the solution was.
-2. Running a phase's tests with ``--impl templates`` on the untouched templates makes
+1. Every ``phaseN_*/template_<x>.py`` is exactly what ``python -m distlab.templates``
+   generates from the marked regions of ``solutions/phaseN_*/<x>.py``: a fix to a
+   solution reaches its template by regenerating, and a hand edit of a generated part
+   fails here. The generator never overwrites a learner's work unless forced.
+2. Templates import only torch and distlab; demos reach lesson code only through
+   ``distlab.loader.load``, so ``IMPL=templates`` runs the learner's code.
+3. Running a phase's tests with ``--impl templates`` on the untouched templates makes
    every test fail with ``LearnerTODO`` (not another error, not a hang), within
    seconds; tests marked ``scaffold`` check code the template gives away and pass.
+4. Every demo (RUN_MODE) run on the untouched templates stops with the one TODO line.
 """
 from __future__ import annotations
 
 import ast
-import importlib
-import inspect
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from distlab import templates as gen
+
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATES = sorted(REPO.glob("phase*/template_*.py"))
 PHASE_TESTS = sorted((REPO / "tests").glob("test_phase*.py"))
-
-
-def _public_api(module) -> dict[str, str]:
-    """name -> signature text, for functions and classes defined in ``module`` (and public methods)."""
-    api = {}
-    for name, obj in vars(module).items():
-        if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
-            continue
-        if inspect.isfunction(obj):
-            api[name] = str(inspect.signature(obj))
-        elif inspect.isclass(obj):
-            api[name] = "class"
-            for attr, member in vars(obj).items():
-                if attr.startswith("_") and attr not in ("__init__", "__call__"):
-                    continue
-                if inspect.isfunction(member):
-                    api[f"{name}.{attr}"] = str(inspect.signature(member))
-    return api
-
-
-def _module_names(module) -> set[str]:
-    """Names defined at module level (functions, classes, constants), imports excluded."""
-    return {name for name, obj in vars(module).items()
-            if not name.startswith("__") and not inspect.ismodule(obj)
-            and getattr(obj, "__module__", module.__name__) == module.__name__}
+ENTRYPOINT = REPO / "entrypoint.sh"
 
 
 def _imports(path: Path) -> set[str]:
@@ -64,23 +47,97 @@ def test_there_are_templates():
     assert TEMPLATES, "no phase*/template_*.py found"
 
 
-@pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: f"{p.parent.name}/{p.name}")
-def test_template_api_matches_solution(template):
-    solution = REPO / "solutions" / template.parent.name / template.name.removeprefix("template_")
-    assert solution.is_file(), f"{template} has no solution at {solution}"
-    tmod = importlib.import_module(f"{template.parent.name}.{template.stem}")
-    smod = importlib.import_module(f"solutions.{template.parent.name}.{solution.stem}")
-    t_api, s_api = _public_api(tmod), _public_api(smod)
-    missing = sorted(set(t_api) - set(s_api))
-    assert not missing, f"{template.name}: public names missing from the solution: {missing}"
-    for name, sig in t_api.items():
-        assert s_api[name] == sig, f"{template.name}: {name}{sig} != solution's {name}{s_api[name]}"
-    extra = sorted(set(s_api) - set(t_api))
-    assert not extra, f"{solution.name}: public names missing from the template: {extra}"
-    # Scaffolding too: a private helper or constant the solution defines (a message tag,
-    # a window size) must be given to the learner, not left for them to guess.
-    missing_private = sorted(_module_names(smod) - _module_names(tmod))
-    assert not missing_private, f"{template.name}: the solution's {missing_private} are missing from the template"
+def test_committed_templates_are_generated_from_the_solutions():
+    problems = gen.check(REPO)
+    assert not problems, "\n\n".join(problems)
+
+
+SOLUTION = '''"""A lesson."""
+from __future__ import annotations
+
+import torch
+
+
+def double(x: torch.Tensor) -> torch.Tensor:
+    """Twice x."""
+    y = torch.empty_like(x)
+    # ### BEGIN SOLUTION 9.1: double it [guidelines.md#double]
+    # Goal: y holds 2 * x.
+    y.copy_(x * 2)  # the lesson
+    # ### END SOLUTION 9.1
+    return y
+'''
+
+
+@pytest.fixture
+def mini_repo(tmp_path):
+    (tmp_path / "solutions" / "phase9_x").mkdir(parents=True)
+    (tmp_path / "phase9_x").mkdir()
+    (tmp_path / "solutions" / "phase9_x" / "lesson.py").write_text(SOLUTION)
+    return tmp_path
+
+
+def test_generator_replaces_each_region_by_its_stub_and_a_todo(mini_repo):
+    assert gen.main(["--repo", str(mini_repo), "--write"]) == 0
+    text = (mini_repo / "phase9_x" / "template_lesson.py").read_text()
+    assert "y.copy_(x * 2)" not in text and "# Goal: y holds 2 * x." in text
+    assert 'raise todo("9.1 double it", "guidelines.md#double")' in text
+    assert "from distlab.todo import todo" in text and "y = torch.empty_like(x)" in text
+    ns = {}
+    exec(compile(text, "template_lesson.py", "exec"), ns)
+    with pytest.raises(NotImplementedError, match=r"TODO 9.1 double it"):
+        ns["double"](__import__("torch").ones(2))
+    assert gen.check(mini_repo) == []
+
+
+def test_check_fails_on_a_hand_edit_of_a_generated_part(mini_repo):
+    gen.main(["--repo", str(mini_repo), "--write"])
+    template = mini_repo / "phase9_x" / "template_lesson.py"
+    template.write_text(template.read_text().replace('"""Twice x."""', '"""Three times x."""'))
+    problems = gen.check(mini_repo)
+    assert len(problems) == 1 and "template_lesson.py differs" in problems[0] and gen.COMMAND in problems[0]
+    assert gen.main(["--repo", str(mini_repo), "--check"]) == 1
+
+
+def test_write_never_overwrites_a_learners_code_unless_forced(mini_repo):
+    gen.main(["--repo", str(mini_repo), "--write"])
+    template = mini_repo / "phase9_x" / "template_lesson.py"
+    mine = template.read_text().replace('    raise todo("9.1 double it", "guidelines.md#double")\n',
+                                        "    y.copy_(x + x)  # my answer\n")
+    template.write_text(mine)
+    solution = mini_repo / "solutions" / "phase9_x" / "lesson.py"
+    solution.write_text(solution.read_text().replace('"""Twice x."""', '"""Twice x, in a new buffer."""'))
+    written, refused = gen.write(mini_repo)
+    assert written == [] and len(refused) == 1 and "TODO 9.1 hold your code" in refused[0]
+    assert template.read_text() == mine
+    written, refused = gen.write(mini_repo, force=("phase9_x/template_lesson.py",))
+    assert written == ["phase9_x/template_lesson.py"] and "in a new buffer" in template.read_text()
+
+
+def test_untouched_template_is_regenerated_when_its_solution_changes(mini_repo):
+    gen.main(["--repo", str(mini_repo), "--write"])
+    solution = mini_repo / "solutions" / "phase9_x" / "lesson.py"
+    solution.write_text(solution.read_text().replace("# Goal: y holds 2 * x.", "# Goal: y holds x doubled."))
+    assert gen.check(mini_repo) != []
+    assert gen.write(mini_repo) == (["phase9_x/template_lesson.py"], [])
+    assert "x doubled" in (mini_repo / "phase9_x" / "template_lesson.py").read_text()
+
+
+@pytest.mark.parametrize("broken, message", [
+    ("    # ### END SOLUTION 9.1\n", "never closed"),
+    ("    # ### BEGIN SOLUTION 9.1: double it [guidelines.md#double]\n", "does not close"),
+])
+def test_malformed_markers_are_refused_with_their_line(mini_repo, broken, message):
+    solution = mini_repo / "solutions" / "phase9_x" / "lesson.py"
+    solution.write_text(solution.read_text().replace(broken, ""))
+    with pytest.raises(gen.MarkerError, match=message):
+        gen.render(solution, mini_repo)
+
+
+def test_a_template_without_a_marked_solution_is_reported(mini_repo):
+    (mini_repo / "phase9_x" / "template_orphan.py").write_text("x = 1\n")
+    gen.main(["--repo", str(mini_repo), "--write"])
+    assert any("template_orphan.py has no marked solution" in p for p in gen.check(mini_repo))
 
 
 @pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: f"{p.parent.name}/{p.name}")
@@ -110,3 +167,69 @@ def test_untouched_templates_fail_with_learner_todo(test_file, tmp_path):
         elif r["duration_s"] > 20:
             problems.append(f"{nodeid}: took {r['duration_s']} s to fail; a TODO must fail within seconds")
     assert not problems, "\n".join(problems)
+
+
+# --------------------------------------------------------------------------- demos
+def entrypoint_modes() -> dict[str, str]:
+    return dict(re.findall(r"^\s*\[(\w+)\]=([\w.]+)\s*$", ENTRYPOINT.read_text(), flags=re.M))
+
+
+DEMOS = sorted(set(entrypoint_modes().values()))
+
+
+@pytest.mark.parametrize("module", DEMOS)
+def test_demo_reaches_lesson_code_only_through_the_loader(module):
+    path = REPO / (module.replace(".", "/") + ".py")
+    bad = sorted(m for m in _imports(path) if m.startswith(("solutions", "phase")) or ".template_" in m)
+    assert not bad, f"{path.name} imports {bad}: demos get lesson code through distlab.loader.load, " \
+                    "so that IMPL=templates runs the learner's code"
+    assert "run_demo(main)" in path.read_text(), f"{path.name}: end with `run_demo(main)` under __main__"
+
+
+def _run_demo_on_templates(module: str, err_path: str) -> None:
+    """Child: run ``python -m module`` as rank 0 of 1 on the templates, stderr to a file."""
+    import runpy
+
+    fd = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 2)
+    os.dup2(fd, 1)
+    os.environ["DISTLAB_IMPL"] = "templates"
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(var, None)
+    sys.argv = [module]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def test_every_demo_stops_at_the_first_todo_on_untouched_templates(tmp_path):
+    """``IMPL=templates RUN_MODE=<mode>``: exit code 3 and one line naming the TODO, no traceback.
+
+    Each demo runs in a fresh process forked from one that has imported torch but run no
+    op yet (fork is safe then), as ``python -m demos.<mode>`` would run without torchrun.
+    """
+    code = f"""
+import multiprocessing as mp, sys, json
+sys.path.insert(0, {str(REPO)!r})
+sys.path.insert(0, {str(REPO / "tests")!r})
+import torch, torch.distributed  # noqa: F401  (imported once, before any fork)
+from test_templates import _run_demo_on_templates
+ctx = mp.get_context("fork")
+out = {{}}
+for module in {DEMOS!r}:
+    err = {str(tmp_path)!r} + "/" + module + ".txt"
+    p = ctx.Process(target=_run_demo_on_templates, args=(module, err))
+    p.start(); p.join(90)
+    if p.is_alive():
+        p.kill(); p.join()
+    out[module] = [p.exitcode, open(err).read()]
+print(json.dumps(out))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    problems = []
+    for module, (rc, output) in results.items():
+        lines = [line for line in output.strip().splitlines() if line.strip()]
+        last = lines[-1] if lines else ""
+        if rc != 3 or not re.match(r"TODO \S+ .*: not implemented yet \(see \S+\)$", last) or "Traceback" in output:
+            problems.append(f"{module}: exit {rc}, last line {last!r}\n{output[-1500:]}")
+    assert not problems, "\n\n".join(problems)

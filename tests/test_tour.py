@@ -11,7 +11,7 @@ from distlab.launch import run_distributed
 
 
 def _worker_tour(rank, world_size, out_dir):
-    from solutions import tour
+    from demos import tour
 
     return tour.main(["--quick", "--out", out_dir])
 

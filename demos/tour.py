@@ -9,9 +9,10 @@ bytes of model state each rank holds (parameters + gradients + optimizer state: 
 ZeRO divides), and wall time. PNGs in runs/tour/: loss curves, bytes per step, state
 per rank, and the 1F1B pipeline timeline.
 
-    ./entrypoint.sh                    # the full tour (a few minutes on 2 cores)
-    ./entrypoint.sh --quick            # under a minute
+    ./entrypoint.sh                    # the full tour
+    ./entrypoint.sh --quick            # the CI version
     NPROC=4 ./entrypoint.sh            # 4 ranks: ZeRO shards 4 ways, 4 pipeline stages
+    IMPL=templates ./entrypoint.sh     # the same with your code (stops at your first unfinished TODO)
 
 The model: Linear(64, H) -> [Linear(H, H), Tanh] x L -> Linear(H, 10), L = 2 x ranks,
 so the pipeline gives each rank 2 blocks and tensor parallelism splits each pair of
@@ -30,7 +31,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distlab.comm import CommLedger
+from distlab.loader import load
 from distlab.metrics import format_bytes, format_table, log0, tensor_bytes
+from distlab.todo import run_demo
 
 
 def build_model(hidden: int, blocks: int, seed: int = 0) -> nn.Sequential:
@@ -79,8 +82,7 @@ def _data_parallel(kind: str, model: nn.Module, rank: int, world_size: int) -> R
         return (x, y) if kind == "single" else (shard(x, rank, world_size), shard(y, rank, world_size))
 
     if kind == "zero3":
-        from solutions.phase3_multi_node.fsdp import FullyShardedDataParallel
-        fsdp = FullyShardedDataParallel(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+        fsdp = load("phase3_multi_node", "fsdp").FullyShardedDataParallel(model, torch.optim.SGD, lr=0.1, momentum=0.9)
 
         def step(x, y):
             fsdp.zero_grad()
@@ -91,8 +93,7 @@ def _data_parallel(kind: str, model: nn.Module, rank: int, world_size: int) -> R
         mem = fsdp.memory_bytes
         return Run(step, fsdp.full_state_dict, lambda: sum(mem().values()))
     if kind in ("zero1", "zero2"):
-        from solutions.phase3_multi_node.zero import ZeroOptimizer
-        zero = ZeroOptimizer(model, torch.optim.SGD, stage=int(kind[-1]), bucket_size_mb=0.05, lr=0.1, momentum=0.9)
+        zero = load("phase3_multi_node", "zero").ZeroOptimizer(model, torch.optim.SGD, stage=int(kind[-1]), bucket_size_mb=0.05, lr=0.1, momentum=0.9)
 
         def step(x, y):
             zero.zero_grad()
@@ -103,8 +104,7 @@ def _data_parallel(kind: str, model: nn.Module, rank: int, world_size: int) -> R
             return loss
         return Run(step, model.state_dict, lambda: sum(zero.memory_bytes().values()))
     if kind == "ours":
-        from solutions.phase3_multi_node.ddp_bucketed import DDPBucketed
-        wrapped = DDPBucketed(model, bucket_size_mb=0.05)  # several buckets even for this small model
+        wrapped = load("phase3_multi_node", "ddp_bucketed").DDPBucketed(model, bucket_size_mb=0.05)  # several buckets even for this small model
     elif kind == "torch_ddp":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel
@@ -113,11 +113,9 @@ def _data_parallel(kind: str, model: nn.Module, rank: int, world_size: int) -> R
         # hook, registered explicitly, all-reduces each bucket through dist.all_reduce instead.
         wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
     elif kind == "accumulation":
-        from solutions.phase2_advanced.grad_accumulation import AccumulatingDataParallel
-        wrapped = AccumulatingDataParallel(model)
+        wrapped = load("phase2_advanced", "grad_accumulation").AccumulatingDataParallel(model)
     elif kind == "naive":
-        from solutions.phase1_data_parallel.trainer import broadcast_parameters
-        broadcast_parameters(model)
+        load("phase1_data_parallel", "trainer").broadcast_parameters(model)
         wrapped = model
     else:
         wrapped = model
@@ -126,11 +124,9 @@ def _data_parallel(kind: str, model: nn.Module, rank: int, world_size: int) -> R
     def step(x, y):
         xs, ys = local(x, y)
         if kind == "accumulation":
-            from solutions.phase2_advanced.grad_accumulation import train_step
-            return train_step(wrapped, optimizer, F.cross_entropy, xs, ys, micro_batch_size=max(1, len(ys) // 2))
+            return load("phase2_advanced", "grad_accumulation").train_step(wrapped, optimizer, F.cross_entropy, xs, ys, micro_batch_size=max(1, len(ys) // 2))
         if kind == "naive":
-            from solutions.phase1_data_parallel.trainer import train_step
-            return train_step(model, optimizer, F.cross_entropy, xs, ys)
+            return load("phase1_data_parallel", "trainer").train_step(model, optimizer, F.cross_entropy, xs, ys)
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(wrapped(xs), ys)
         loss.backward()
@@ -144,7 +140,8 @@ def _data_parallel(kind: str, model: nn.Module, rank: int, world_size: int) -> R
 
 def _tensor_parallel(model: nn.Sequential) -> Run:
     """Each pair of hidden blocks becomes column-parallel -> Tanh -> row-parallel -> Tanh."""
-    from solutions.phase2_advanced.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    tp_lesson = load("phase2_advanced", "tensor_parallel")
+    ColumnParallelLinear, RowParallelLinear = tp_lesson.ColumnParallelLinear, tp_lesson.RowParallelLinear
 
     layers, blocks = [model[0]], list(model[1:-1])
     names = {}
@@ -179,7 +176,8 @@ def _tensor_parallel(model: nn.Sequential) -> Run:
 
 
 def _pipeline(model: nn.Sequential, rank: int, world_size: int, microbatches: int, hidden: int) -> Run:
-    from solutions.phase2_advanced.pipeline import PipelineStage, train_step
+    pipeline = load("phase2_advanced", "pipeline")
+    PipelineStage, train_step = pipeline.PipelineStage, pipeline.train_step
 
     blocks = list(model[1:-1])
     per = len(blocks) // world_size
@@ -216,7 +214,7 @@ def _compression(method: str, model: nn.Module, rank: int, world_size: int) -> R
     from torch.nn.parallel import DistributedDataParallel
 
     from distlab.testing import shard
-    from solutions.phase4_production.compression import make_hook
+    make_hook = load("phase4_production", "compression").make_hook
 
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.05)
     hook, state = make_hook(method)
@@ -347,4 +345,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_demo(main)

@@ -1,0 +1,146 @@
+"""The grading switch and the per-exercise score.
+
+``pytest --impl solutions`` (default) tests the reference solutions;
+``pytest --impl templates`` tests the learner's templates; ``--student-dir DIR``
+tests a copy elsewhere. The choice becomes environment variables, because ranks
+started by run_distributed re-import modules and inherit the environment, not
+pytest's options (see distlab/loader.py).
+
+Tests name their exercise with ``@pytest.mark.exercise("1.1 collectives")``; the
+run ends with a score per exercise, and ``--results-json PATH`` writes it in
+Gradescope's format (see distlab/grade.py). A test that checks code a template
+gives away ready-made (argument validation, ...) is marked ``scaffold``.
+
+This is a plugin, loaded by ``-p distlab.pytest_plugin`` in pyproject.toml's addopts,
+not a conftest.py: pytest then knows ``--student-dir`` takes a value before it looks
+for test paths, so ``--student-dir /path`` (with a space) is not mistaken for a test
+path, and a student's copy that ships its own tests/conftest.py cannot register the
+options a second time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import OrderedDict
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from distlab.loader import IMPL_ENV, IMPLS, STUDENT_DIR_ENV
+from distlab.todo import LearnerTODO
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("distlab")
+    group.addoption("--impl", choices=IMPLS, default="solutions",
+                    help="test the reference solutions (default) or the learner's templates")
+    group.addoption("--student-dir", default=None,
+                    help="grade the copy of the repository in DIR instead of this one")
+    group.addoption("--results-json", default=None,
+                    help="write per-exercise scores (Gradescope format) to this path")
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config):
+    inipath = Path(config.inipath).resolve() if config.inipath else None
+    if inipath != REPO / "pyproject.toml":
+        # "--student-dir /copy" (space) makes pytest take /copy for a test path and read the
+        # copy's pyproject.toml: the student's configuration would then drive the grading.
+        raise pytest.UsageError(f"these tests run with {REPO / 'pyproject.toml'}, not {inipath}: write "
+                                "--student-dir=DIR (with '='), and run pytest from the instructor's checkout")
+    os.environ[IMPL_ENV] = config.getoption("--impl")
+    student_dir = config.getoption("--student-dir")
+    if student_dir:
+        os.environ[STUDENT_DIR_ENV] = os.path.abspath(student_dir)
+    else:
+        os.environ.pop(STUDENT_DIR_ENV, None)
+    config.addinivalue_line("markers", "exercise(name): the exercise a test grades")
+    config.addinivalue_line("markers", "scaffold: checks code that templates provide ready-made")
+    config.addinivalue_line("markers", "gpu: needs CUDA (skipped without enough GPUs)")
+    config._distlab_results = OrderedDict()
+
+
+class _OneLine:
+    """A failure report of one line, also shown in pytest's short summary (``-rf``)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.reprcrash = SimpleNamespace(message=text, path="", lineno=0)
+
+    def toterminal(self, tw) -> None:
+        tw.line(self.text)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _exercise(item) -> str:
+    marker = item.get_closest_marker("exercise")
+    return marker.args[0] if marker else "bench"
+
+
+def _first_line(excinfo) -> str:
+    """The first non-empty line of the exception, or its type: an empty message must not crash grading."""
+    lines = [line for line in str(excinfo.value).splitlines() if line.strip()]
+    return lines[0] if lines else f"{excinfo.type.__name__} (no message)"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if call.excinfo is not None and call.excinfo.errisinstance(LearnerTODO):
+        # One line: which TODO, which guideline section. The traceback adds nothing.
+        report.longrepr = _OneLine(str(call.excinfo.value))
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        error_type = call.excinfo.type.__name__ if call.excinfo is not None else None
+        message = ""
+        if report.failed:
+            message = _first_line(call.excinfo) if call.excinfo else "failed"
+        item.config._distlab_results[item.nodeid] = {
+            "exercise": _exercise(item), "outcome": report.outcome,
+            "error_type": error_type, "message": message[:500],
+            "scaffold": item.get_closest_marker("scaffold") is not None,
+            "duration_s": round(report.duration, 3),
+        }
+
+
+def exercise_scores(results: dict) -> "OrderedDict[str, dict]":
+    scores: OrderedDict[str, dict] = OrderedDict()
+    for nodeid, r in results.items():
+        if r["outcome"] == "skipped":
+            continue
+        s = scores.setdefault(r["exercise"], {"passed": 0, "total": 0, "failures": []})
+        s["total"] += 1
+        if r["outcome"] == "passed":
+            s["passed"] += 1
+        else:
+            s["failures"].append(f"{nodeid}: {r['message']}")
+    return scores
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    results = config._distlab_results
+    if not results:
+        return
+    scores = exercise_scores(results)
+    tr = terminalreporter
+    tr.section(f"score per exercise (--impl {config.getoption('--impl')})")
+    for name, s in scores.items():
+        todos = sorted(set(re.findall(r"TODO (\d+\.\d+)", "\n".join(s["failures"]))))
+        note = f"  <- unfinished: TODO {', '.join(todos)}" if todos else ""
+        tr.write_line(f"{name:<40} {s['passed']:>3}/{s['total']:<3}{note}")
+    path = config.getoption("--results-json")
+    if path:
+        tests = [{"name": name, "score": s["passed"], "max_score": s["total"],
+                  "output": "\n".join(s["failures"]) or "all tests passed"}
+                 for name, s in scores.items()]
+        payload = {"score": sum(t["score"] for t in tests), "tests": tests,
+                   "per_test": results}
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2)
+        tr.write_line(f"wrote {path}")

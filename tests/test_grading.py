@@ -1,0 +1,115 @@
+"""The grading plugin itself: it must yield a score whatever the learner's code raises,
+and it must run with the instructor's configuration, never the student's."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+LEARNER_TESTS = '''
+import pytest
+
+@pytest.mark.exercise("9.1 empty")
+def test_empty_message():
+    raise ValueError("")
+
+@pytest.mark.exercise("9.2 unicode")
+def test_unicode_message():
+    raise AssertionError("\\n\\nrang 1: différence ≥ 2e-2 " + "x" * 5000)
+
+@pytest.mark.exercise("9.3 system exit")
+def test_system_exit():
+    raise SystemExit(7)
+
+@pytest.mark.exercise("9.4 passes")
+def test_passes():
+    pass
+'''
+
+
+def _pytest(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_any_learner_exception_still_yields_a_score(tmp_path):
+    tests = tmp_path / "test_learner.py"
+    tests.write_text(LEARNER_TESTS)
+    out = tmp_path / "results.json"
+    proc = _pytest(str(tests), f"--rootdir={REPO}", "-c", str(REPO / "pyproject.toml"), f"--results-json={out}")
+    assert "INTERNALERROR" not in proc.stdout + proc.stderr, proc.stdout[-3000:]
+    results = json.loads(out.read_text())
+    by_name = {t["name"]: t for t in results["tests"]}
+    assert results["score"] == 1 and by_name["9.4 passes"]["score"] == 1
+    assert "ValueError (no message)" in by_name["9.1 empty"]["output"]
+    assert "différence ≥ 2e-2" in by_name["9.2 unicode"]["output"]
+    assert len(results["per_test"]) == 4, results["per_test"].keys()
+
+
+def test_student_dir_with_a_space_is_refused_with_the_fix(tmp_path):
+    """``--student-dir /copy`` would make pytest read the copy's pyproject.toml."""
+    copy = tmp_path / "copy"
+    (copy / "tests").mkdir(parents=True)
+    (copy / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text())
+    (copy / "tests" / "conftest.py").write_text("")
+    proc = _pytest("--impl", "templates", "--student-dir", str(copy), "tests/test_phase1.py", "--collect-only")
+    assert proc.returncode != 0
+    assert "write --student-dir=DIR (with '=')" in proc.stdout + proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_student_dir_with_equals_is_accepted(tmp_path):
+    copy = tmp_path / "copy"
+    (copy / "phase1_data_parallel").mkdir(parents=True)
+    proc = _pytest("--impl", "templates", f"--student-dir={copy}", "tests/test_phase1.py", "--collect-only", "-q")
+    assert proc.returncode == 0, proc.stdout[-2000:]
+
+
+CHEATS = {
+    "star import": "from solutions.phase1_data_parallel.collectives import *\n",
+    "importlib by name": "import importlib\n"
+                         "globals().update(vars(importlib.import_module('solutions.phase1_data_parallel.collectives')))\n",
+    "name built at run time": "import importlib\n"
+                              "_m = importlib.import_module('solu' + 'tions.phase1_data_parallel.collectives')\n"
+                              "allreduce_allgather_sum = _m.allreduce_allgather_sum\n",
+    "another template": "from phase1_data_parallel.template_trainer import *\n",
+}
+
+
+@pytest.mark.parametrize("cheat", list(CHEATS))
+def test_a_template_that_imports_the_solutions_is_refused(cheat, tmp_path, monkeypatch):
+    from distlab import loader
+
+    (tmp_path / "phase1_data_parallel").mkdir()
+    (tmp_path / "phase1_data_parallel" / "template_collectives.py").write_text(CHEATS[cheat])
+    monkeypatch.setenv(loader.IMPL_ENV, "templates")
+    monkeypatch.setenv(loader.STUDENT_DIR_ENV, str(tmp_path))
+    with pytest.raises(loader.IntegrityError, match="a template may use torch and distlab only"):
+        loader.load("phase1_data_parallel", "collectives")
+    with pytest.raises(loader.IntegrityError):  # and again: no half-imported module is cached
+        loader.load("phase1_data_parallel", "collectives")
+
+
+def test_the_reference_asked_for_explicitly_comes_from_this_checkout(tmp_path, monkeypatch):
+    from distlab import loader
+
+    monkeypatch.setenv(loader.STUDENT_DIR_ENV, str(tmp_path))  # a copy without solutions/
+    ref = loader.load("phase1_data_parallel", "collectives", impl="solutions")
+    assert Path(ref.__file__).resolve() == REPO / "solutions" / "phase1_data_parallel" / "collectives.py"
+
+
+def test_a_cheating_copy_scores_zero(tmp_path):
+    copy = tmp_path / "copy"
+    (copy / "phase1_data_parallel").mkdir(parents=True)
+    (copy / "phase1_data_parallel" / "template_collectives.py").write_text(CHEATS["star import"])
+    out = tmp_path / "results.json"
+    _pytest("tests/test_phase1.py", "--impl=templates", f"--student-dir={copy}", f"--results-json={out}",
+            "-k", "allreduce_matches_builtin_and_single_process and 2-")
+    results = json.loads(out.read_text())
+    assert results["score"] == 0 and results["tests"], results
+    assert all("a template may use torch and distlab only" in r["message"] for r in results["per_test"].values()), \
+        results["per_test"]
