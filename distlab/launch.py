@@ -26,6 +26,7 @@ import builtins
 import gc
 import multiprocessing as mp
 import os
+import re
 import pickle
 import shutil
 import socket
@@ -140,18 +141,40 @@ class RankError(RuntimeError):
     """A rank failed with an exception whose type could not be rebuilt in the parent."""
 
 
+_BENCH_FRAMES = tuple(f"{os.sep}distlab{os.sep}{name}" for name in ("launch.py", "testing.py"))
+
+
+def _learner_frames(tb: str, qualname: str, msg: str) -> str:
+    """The rank's traceback without the bench's frames (launcher, assertion helpers) and
+    without the final exception line, which the message above it already shows."""
+    first = msg.splitlines()[0] if msg.strip() else ""
+    cut = tb.rfind(f"{qualname}: {first}") if first else -1
+    if cut > 0:
+        tb = tb[:cut]
+    keep = [block for block in re.split(r"(?m)^(?=  File )", tb)
+            if not (block.startswith("  File ") and any(f in block.split("\n")[0] for f in _BENCH_FRAMES))]
+    return "".join(keep).rstrip()
+
+
 def _rebuild(rank: int, module: str, qualname: str, msg: str, tb: str, is_todo: bool) -> BaseException:
+    # The rank leads the message once: test messages that already start with it keep theirs.
+    lead = "" if re.match(rf"rank {rank}\b", msg) else f"rank {rank}: "
     if is_todo:
         # One line: the learner needs the TODO and the guideline section, not a traceback.
-        return LearnerTODO(f"rank {rank}: {msg}")
-    text = f"rank {rank}: {msg}\n\n--- traceback in rank {rank} ---\n{tb}"
+        return LearnerTODO(f"{lead}{msg}")
+    text = f"{lead}{msg}"
     exc_type = getattr(builtins, qualname, None) if module == "builtins" else None
+    exc = None
     if isinstance(exc_type, type) and issubclass(exc_type, Exception):
         try:
-            return exc_type(text)
+            exc = exc_type(text)
         except Exception:
             pass
-    return RankError(f"{module}.{qualname}: {text}")
+    if exc is None:
+        exc = RankError(f"{module}.{qualname}: {text}")
+    # Shown by distlab.pytest_plugin under the one-line message, instead of the launcher's frames.
+    exc.rank_traceback = f"--- in rank {rank} ---\n{_learner_frames(tb, qualname.rsplit('.', 1)[-1], msg)}"
+    return exc
 
 
 # Errors that are usually a consequence of another rank failing first.

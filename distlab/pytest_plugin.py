@@ -69,10 +69,11 @@ class _OneLine:
 
     def __init__(self, text: str) -> None:
         self.text = text
-        self.reprcrash = SimpleNamespace(message=text, path="", lineno=0)
+        self.reprcrash = SimpleNamespace(message=text.splitlines()[0] if text else "", path="", lineno=0)
 
     def toterminal(self, tw) -> None:
-        tw.line(self.text)
+        for line in self.text.splitlines():
+            tw.line(line)
 
     def __str__(self) -> str:
         return self.text
@@ -96,6 +97,10 @@ def pytest_runtest_makereport(item, call):
     if call.excinfo is not None and call.excinfo.errisinstance(LearnerTODO):
         # One line: which TODO, which guideline section. The traceback adds nothing.
         report.longrepr = _OneLine(str(call.excinfo.value))
+    elif call.excinfo is not None and getattr(call.excinfo.value, "rank_traceback", None):
+        # A rank failed: its message once, then its own frames (not the launcher's).
+        exc = call.excinfo.value
+        report.longrepr = _OneLine(f"{type(exc).__name__}: {exc}\n{exc.rank_traceback}")
     if report.when == "call" or (report.when == "setup" and not report.passed):
         error_type = call.excinfo.type.__name__ if call.excinfo is not None else None
         message = ""

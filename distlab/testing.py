@@ -14,6 +14,28 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.detach().double() - b.detach().double()).abs().max().item() if a.numel() else 0.0
 
 
+def diagnose(actual: torch.Tensor, expected: torch.Tensor) -> str:
+    """A recognisable cause of a mismatch, or "": a constant factor (a missing or doubled
+    division by W), a sign flip, all zeros, a non-finite value."""
+    a, e = actual.detach().double().flatten(), expected.detach().double().flatten()
+    if not torch.isfinite(a).all():
+        return "; it holds inf/nan: an overflow (fp16 without scaling?) or a division by zero"
+    significant = e.abs() > 1e-6 * max(e.abs().max().item(), 1e-30)
+    if significant.sum() == 0:
+        return ""
+    if a.abs().max().item() == 0:
+        return "; it is all zeros: the result was never written back (or gradients were zeroed after the reduce)"
+    ratio = a[significant] / e[significant]
+    factor = ratio.median().item()
+    if abs(factor - 1) > 1e-3 and (ratio - factor).abs().max().item() < 1e-3 * max(abs(factor), 1.0):
+        hint = ("averaged twice, or divided by W where a sum was due?" if abs(factor) < 1
+                else "summed where a mean was due (never divided by W?), or counted twice?")
+        if factor < 0:
+            hint = "a sign flipped (subtracted where it should add?)"
+        return f"; it is {factor:.2f}x the expected value everywhere: {hint}"
+    return ""
+
+
 def assert_tensors_close(actual: torch.Tensor, expected: torch.Tensor, what: str,
                          rtol: float | None = None, atol: float | None = None) -> None:
     """``torch.testing.assert_close`` with ``what`` (rank, step, name) leading the message.
@@ -26,7 +48,7 @@ def assert_tensors_close(actual: torch.Tensor, expected: torch.Tensor, what: str
         torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
     except AssertionError:
         raise AssertionError(f"{what}: max abs diff {max_abs_diff(actual, expected):.3e} "
-                             f"(rtol={rtol}, atol={atol})") from None
+                             f"(rtol={rtol}, atol={atol}){diagnose(actual, expected)}") from None
 
 
 def assert_models_close(actual: nn.Module, expected: nn.Module, *, rank: int, step: int | str,

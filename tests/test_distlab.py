@@ -79,7 +79,10 @@ def test_one_rank_raising_makes_the_parent_raise_quickly(tmp_path):
     with pytest.raises(ValueError, match="rank 1: bad shard size 7") as info:
         run_distributed(_worker_one_raises, 3, str(tmp_path), timeout_s=60)
     assert time.monotonic() - start < 5
-    assert "traceback in rank 1" in str(info.value)
+    assert str(info.value) == "rank 1: bad shard size 7"  # the rank once, no launcher text
+    shown = info.value.rank_traceback  # what the pytest plugin prints under the message
+    assert shown.startswith("--- in rank 1 ---") and "_worker_one_raises" in shown
+    assert "launch.py" not in shown and "ValueError: bad shard size 7" not in shown, shown
     pids = [int(p.read_text()) for p in tmp_path.iterdir()]
     assert len(pids) == 3 and all(_pid_gone(p) for p in pids), "a rank survived another's failure"
 
@@ -94,6 +97,38 @@ def test_learner_todo_comes_back_as_one_line():
         run_distributed(_worker_todo, 2)
     message = str(info.value)
     assert "\n" not in message and "TODO 9.9 something" in message and "guidelines.md#somewhere" in message
+
+
+def _worker_says_its_rank(rank, world_size):
+    raise AssertionError(f"rank {rank}, step 3, parameter fc1.weight: max abs diff 2e-2")
+
+
+def test_a_message_that_names_its_rank_is_not_prefixed_again():
+    with pytest.raises(AssertionError) as info:
+        run_distributed(_worker_says_its_rank, 1)
+    assert str(info.value) == "rank 0, step 3, parameter fc1.weight: max abs diff 2e-2"
+
+
+@pytest.mark.parametrize("actual, diagnosis", [
+    (lambda e: 2 * e, "2.00x the expected value everywhere: summed where a mean was due"),
+    (lambda e: e / 4, "0.25x the expected value everywhere: averaged twice"),
+    (lambda e: -e, "a sign flipped"),
+    (lambda e: torch.zeros_like(e), "all zeros"),
+    (lambda e: e.masked_fill(torch.arange(e.numel()) == 3, float("inf")), "inf/nan"),
+    (lambda e: e + torch.linspace(0, 1, e.numel()), None),  # no recognisable cause: nothing claimed
+])
+def test_a_mismatch_names_its_recognisable_cause(actual, diagnosis):
+    from distlab.testing import assert_tensors_close
+
+    expected = torch.linspace(-3, 5, 17)
+    with pytest.raises(AssertionError) as info:
+        assert_tensors_close(actual(expected), expected, "rank 1, step 0, gradient of fc1.weight")
+    message = str(info.value)
+    assert message.startswith("rank 1, step 0, gradient of fc1.weight: max abs diff")
+    if diagnosis:
+        assert diagnosis in message, message
+    else:
+        assert "; it " not in message, message
 
 
 def _worker_killed(rank, world_size):
