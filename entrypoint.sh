@@ -88,4 +88,16 @@ else
 fi
 
 echo "entrypoint.sh: RUN_MODE=$RUN_MODE IMPL=$IMPL -> torchrun ${args[*]} -m $module $*" >&2
+if [[ "$IMPL" == "templates" ]]; then
+  # Every rank stops at the learner's first unfinished TODO with the same line (exit code 3);
+  # stderr goes through a filter that prints that line once instead of torchrun's report of
+  # every rank's exit. stdout (progress, tables) passes straight through.
+  set +e
+  todo_filter='import sys; from distlab.todo import TODO_EXIT_CODE, filter_launcher_output as f
+sys.exit(TODO_EXIT_CODE if f(sys.stdin, sys.stderr) else 0)'
+  { torchrun "${args[@]}" -m "$module" "$@" 2>&1 1>&3 3>&- | python -c "$todo_filter" 3>&-
+    statuses=("${PIPESTATUS[@]}"); } 3>&1
+  if [[ "${statuses[1]}" == "3" ]]; then exit 3; fi
+  exit "${statuses[0]}"
+fi
 exec torchrun "${args[@]}" -m "$module" "$@"

@@ -9,8 +9,9 @@ exercise instead of a traceback, and the grader can tell "not done yet" apart fr
 from __future__ import annotations
 
 import os
+import re
 import sys
-from typing import Callable
+from typing import Callable, Iterable, TextIO
 
 
 class LearnerTODO(NotImplementedError):
@@ -47,3 +48,34 @@ def run_demo(main: Callable[[], object]) -> None:
     except LearnerTODO as exc:
         print(str(exc), file=sys.stderr, flush=True)
         sys.exit(TODO_EXIT_CODE)
+
+
+def filter_launcher_output(lines: Iterable[str], out: TextIO) -> bool:
+    """Copy torchrun's stderr to ``out``, keeping an unfinished TODO to one line.
+
+    Every rank stops at the same TODO and prints the same line; torchrun then reports the
+    exit code 3 of every rank with its own traceback. Here the TODO line is printed once,
+    and what follows it is held back and dropped if it is only torchrun's report of those
+    exit codes (any other failure is printed in full). Returns whether a TODO was seen.
+    """
+    seen: list[str] = []
+    held: list[str] = []
+    for line in lines:
+        text = line.rstrip("\n")
+        if re.match(r"TODO \S+ .*: not implemented yet \(see \S+\)$", text.strip()):
+            if text.strip() not in seen:
+                seen.append(text.strip())
+                print(text.strip(), file=out, flush=True)
+            continue
+        if seen:
+            held.append(line)
+        else:
+            out.write(line)
+            out.flush()
+    report = "".join(held)
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", report)
+    only_todo_exits = all(code == str(TODO_EXIT_CODE) for code in codes)
+    if held and not (only_todo_exits and ("ChildFailedError" in report or "closing signal" in report)):
+        out.write(report)
+    return bool(seen)
+
