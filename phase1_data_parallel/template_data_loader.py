@@ -1,3 +1,5 @@
+# Generated from solutions/phase1_data_parallel/data_loader.py by `python -m distlab.templates --write`.
+# Write your code inside the '--- TODO' regions, in place of their `raise todo(...)`.
 """A distributed sampler from scratch: each rank reads its own shard of the data set.
 
 Data parallelism only helps if the W ranks see *different* samples. The sampler
@@ -11,17 +13,16 @@ would wait for a rank that has run out of data.
 Index for index the same as ``torch.utils.data.DistributedSampler``.
 See phase1_data_parallel/guidelines.md#sharding-the-data.
 
-Run the demo: ``RUN_MODE=train ./entrypoint.sh``.
+Run the demo, which prints each rank's shard per epoch: ``RUN_MODE=train ./entrypoint.sh``
+(``IMPL=templates RUN_MODE=train ./entrypoint.sh`` for yours).
 """
 from __future__ import annotations
 
-import argparse
 import math
 from typing import Iterator, Sized
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
-
 from distlab.todo import todo
 
 
@@ -54,21 +55,22 @@ class DistributedSampler(Sampler[int]):
         self.drop_last = drop_last
         self.epoch = 0
         n = len(dataset)
-        # --- TODO 1.4: how many samples each rank gets ---
-        # Set self.num_samples (per rank) and self.total_size (= num_samples * W):
-        # with drop_last and n not divisible by W, drop the tail (floor(n / W) each,
-        # written as ceil((n - W) / W) in torch); otherwise pad up to ceil(n / W) each.
+        # --- TODO 1.4: sampler sizes ---
+        # Set self.num_samples (how many indices this rank yields) and self.total_size (the
+        # length of the padded or trimmed index list, = num_samples * W). Every rank must get
+        # the same count: pad up to the next multiple of W, or, with drop_last and n not
+        # divisible by W, drop the tail instead. Same sizes as torch's DistributedSampler.
         raise todo("1.4 sampler sizes", "guidelines.md#sharding-the-data")
         # --- end TODO 1.4 ---
 
     def __iter__(self) -> Iterator[int]:
         n = len(self.dataset)
-        # --- TODO 1.5: this rank's indices ---
-        # 1. indices: torch.randperm(n) from a torch.Generator seeded with seed + epoch
-        #    when shuffling (the same on every rank), else 0..n-1;
-        # 2. drop the tail (drop_last) or pad by repeating the head up to total_size
-        #    (the head may be shorter than the padding: repeat it as often as needed);
-        # 3. take every W-th index starting at this rank.
+        # --- TODO 1.5: sampler indices ---
+        # Return an iterator over this rank's num_samples indices. All ranks start from one
+        # order they compute alike with no communication (a permutation that depends only on
+        # seed + epoch, or 0..n-1 without shuffle), bring it to total_size (drop_last: cut;
+        # else pad from its head, even when n < W), and take disjoint, interleaved shares.
+        # Index for index the same as torch.utils.data.DistributedSampler.
         raise todo("1.5 sampler indices", "guidelines.md#sharding-the-data")
         # --- end TODO 1.5 ---
 
@@ -87,39 +89,3 @@ def distributed_loader(dataset: Dataset, batch_size: int, rank: int, world_size:
     sampler = DistributedSampler(dataset, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                       drop_last=drop_last)
-
-
-def main(argv: list[str] | None = None) -> None:
-    import torch.distributed as dist
-
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import log0
-
-    parser = argparse.ArgumentParser(description="Show each rank's shard of a data set, per epoch.")
-    parser.add_argument("--size", type=int, default=10, help="data set size (try one that W does not divide)")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--drop-last", action="store_true")
-    parser.add_argument("--no-shuffle", action="store_true")
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        dataset = list(range(args.size))
-        sampler = DistributedSampler(dataset, env.world_size, env.rank, shuffle=not args.no_shuffle,
-                                     drop_last=args.drop_last)
-        log0(f"data set of {args.size} samples on {env.world_size} ranks: {len(sampler)} per rank "
-             f"({'tail dropped' if args.drop_last else 'padded by repeating the head'})")
-        for epoch in range(args.epochs):
-            sampler.set_epoch(epoch)
-            shards = [None] * env.world_size
-            dist.all_gather_object(shards, list(sampler))
-            log0(f"epoch {epoch}:")
-            for r, shard in enumerate(shards):
-                log0(f"  rank {r}: {shard}")
-            seen = [i for shard in shards for i in shard]
-            log0(f"  distinct samples seen: {len(set(seen))}/{args.size}, repeated: {len(seen) - len(set(seen))}")
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,3 +1,5 @@
+# Generated from solutions/phase3_multi_node/ddp_bucketed.py by `python -m distlab.templates --write`.
+# Write your code inside the '--- TODO' regions, in place of their `raise todo(...)`.
 """DDP from scratch, step 2: buckets. One flat all-reduce per bucket, launched when it fills.
 
 ``ddp_overlap.py`` launched one all-reduce per parameter: a ResNet has ~60, a
@@ -17,7 +19,7 @@ fewer calls:
   different order.
 * ``finish_gradient_synchronization()``: launch what is left, wait (gradients were
   divided by W on their way into the bucket, and ``p.grad`` are views: nothing to copy back).
-* ``no_sync()``: hooks do nothing; gradients accumulate in ``p.grad``.
+* ``no_sync()`` (``distlab.sync.NoSyncMixin``): hooks do nothing; gradients accumulate in ``p.grad``.
 * Unused parameters: a bucket holding one never fills. With
   ``find_unused_parameters=True`` they are marked ready (zeros) at the finish and one
   extra all-reduce of a "used" bitmap tells which ones no rank used: those keep
@@ -27,19 +29,19 @@ Cost per step: one all-reduce per bucket, |grads| bytes in all (+ one bitmap of
 n_params int32 with find_unused_parameters); no extra memory: gradients live in the buckets.
 See phase3_multi_node/guidelines_ddp_zero.md#ddp-buckets.
 
-Run: ``RUN_MODE=data_parallel_bucket_overlap ./entrypoint.sh [--bucket-mb 0.01]``.
+Run: ``RUN_MODE=data_parallel_bucket_overlap ./entrypoint.sh [--bucket-mb 0.01]``
+(demos/data_parallel_bucket_overlap.py).
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from distlab.sync import NoSyncMixin, broadcast_module, group_root
 from distlab.todo import todo
 
 
@@ -74,17 +76,16 @@ def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float,
     cap = bucket_size_mb * 1024 * 1024
     first_cap = min(first_bucket_mb * 1024 * 1024, cap) if first_bucket_mb is not None else cap
     buckets: list[list[nn.Parameter]] = []
-    # --- TODO 3.12: fill buckets in order, closing one when the next param would overflow it ---
-    # Keep `size` (bytes in the open bucket). Start a new bucket (buckets.append([]), size 0)
-    # when there is none yet, when size + this param's bytes would exceed the open bucket's
-    # cap (first_cap while len(buckets) == 1, cap after), or when dtype/device differ from
-    # the bucket's first param. Then append p and add its bytes.
+    # --- TODO 3.12: assign parameters to buckets ---
+    # Goal: cut `params`, kept in their order, into consecutive buckets: a bucket closes when
+    # the next parameter would take its bytes past its cap (`first_cap` for the first bucket,
+    # `cap` after) or has another dtype or device. A parameter bigger than the cap sits alone.
     raise todo("3.12 assign parameters to buckets", "guidelines_ddp_zero.md#ddp-buckets")
     # --- end TODO 3.12 ---
     return buckets
 
 
-class DDPBucketed(nn.Module):
+class DDPBucketed(NoSyncMixin, nn.Module):
     """Data parallelism with gradients all-reduced in buckets, overlapped with backward.
 
     Args:
@@ -109,13 +110,11 @@ class DDPBucketed(nn.Module):
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
-        self.src = dist.get_global_rank(group, 0) if group is not None else 0
+        self.src = group_root(group)
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
-        self.require_sync = True
-        with torch.no_grad():
-            for t in itertools.chain(module.parameters(), module.buffers()):
-                dist.broadcast(t, src=self.src, group=group)
+        self.require_sync = True  # False inside no_sync() (NoSyncMixin): gradients accumulate locally
+        broadcast_module(module, group)  # replicas start equal to rank 0's (Phase 1's lesson)
         # Reverse registration order approximates the order gradients become ready.
         trainable = [p for p in module.parameters() if p.requires_grad][::-1]
         self.names = {p: n for n, p in module.named_parameters()}
@@ -158,12 +157,11 @@ class DDPBucketed(nn.Module):
             return
         b, i = self._where[p]
         bucket = self.buckets[b]
-        # --- TODO 3.13: make p.grad (divided by W) a view of its bucket slice, mark it ready, launch ---
-        # view = bucket.views[i] is p's slice of the bucket, shaped like p. If p.grad is not that
-        # view yet (compare data_ptr()), write p.grad / W into it in one pass
-        # (torch.div(..., out=view)) and make p.grad = view: from then on autograd accumulates
-        # straight into the bucket and nothing needs copying back. Otherwise divide the view
-        # by W in place. Then add i to bucket.ready and call self._launch_ready_buckets().
+        # --- TODO 3.13: fill the bucket from the gradient hook ---
+        # Goal: p's gradient, already divided by W, ends up in p's slice of its bucket, and from
+        # then on `p.grad` IS that slice (autograd accumulates there, nothing to copy back).
+        # Then mark p ready and launch every bucket that is complete and next in line: the
+        # launch order is the bucket index order on every rank, whatever order hooks fire in.
         raise todo("3.13 fill the bucket from the gradient hook", "guidelines_ddp_zero.md#ddp-buckets")
         # --- end TODO 3.13 ---
 
@@ -176,87 +174,10 @@ class DDPBucketed(nn.Module):
         """
         if not self.require_sync:
             return
-        # --- TODO 3.14: mark unused parameters ready, launch the rest, wait ---
-        # 1. locally_used: p -> (its index is in bucket.ready). Unused ones got no gradient here.
-        #    Without self.find_unused_parameters raise RuntimeError naming them (self.names[p]).
-        #    Otherwise zero their views, mark them ready, and self._launch_ready_buckets().
-        # 2. With find_unused_parameters: all_reduce an int32 tensor of the locally_used flags
-        #    (same order everywhere): a parameter with sum 0 was used by no rank.
-        # 3. For every bucket: handle.wait() (the used params' p.grad are views, already / W);
-        #    a param unused here but used elsewhere gets p.grad = its view; one used nowhere keeps None.
-        # 4. Reset for the next step: bucket.ready.clear(), handle None, self._next = 0.
+        # --- TODO 3.14: finish: unused parameters, wait ---
+        # Goal: every bucket gets launched and waited for, even one holding a parameter that got
+        # no gradient here (an error naming it, unless find_unused_parameters: then it adds zeros,
+        # and a parameter NO rank used keeps grad None on every rank, which needs one more
+        # collective). Leave the buckets ready for the next step.
         raise todo("3.14 finish: unused parameters, wait", "guidelines_ddp_zero.md#ddp-buckets")
         # --- end TODO 3.14 ---
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backwards inside accumulate ``p.grad`` locally; the next synced backward reduces the sum."""
-        previous, self.require_sync = self.require_sync, False
-        try:
-            yield
-        finally:
-            self.require_sync = previous
-
-
-# --------------------------------------------------------------------------- demo
-def _train_demo(wrap, description: str, argv: list[str] | None = None) -> None:
-    """TinyCNN on digits under ``wrap(model) -> DDP wrapper``; a summary table on rank 0."""
-    from distlab.comm import CommLedger
-    from distlab.data import digits, per_rank_batch
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_bytes, format_table, log0, progress
-    from distlab.models import TinyCNN
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--global-batch", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--bucket-mb", type=float, default=0.01, help="bucket size (bucketed wrapper only)")
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        per_rank_batch(args.global_batch, env.world_size)  # a clear error if it does not divide
-        train, test = digits("train", 16), digits("test", 16)
-        torch.manual_seed(env.rank)  # deliberately different: the wrapper's broadcast makes replicas equal
-        model = wrap(TinyCNN(num_classes=10).to(env.device), args)
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        loader = DataLoader(train, batch_size=args.global_batch // env.world_size, drop_last=True,
-                            sampler=DistributedSampler(train, env.world_size, env.rank, drop_last=True))
-        # Cosine decay to zero, so BatchNorm's running statistics settle with the weights.
-        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
-        loss_fn, ledger, steps = nn.CrossEntropyLoss(), CommLedger(), 0
-        log0(f"{description}: {env.world_size} ranks ({env.backend}), global batch {args.global_batch}")
-        start = time.perf_counter()
-        for epoch in range(args.epochs):
-            loader.sampler.set_epoch(epoch)
-            for x, y in progress(loader, desc=f"epoch {epoch}"):
-                optimizer.zero_grad(set_to_none=True)
-                with ledger:
-                    loss = loss_fn(model(x.to(env.device)), y.to(env.device))
-                    loss.backward()
-                    model.finish_gradient_synchronization()
-                optimizer.step()
-                scheduler.step()
-                steps += 1
-        elapsed = time.perf_counter() - start
-        model.eval()
-        with torch.no_grad():
-            xs, ys = zip(*[(x, y) for x, y in DataLoader(test, batch_size=len(test))])
-            accuracy = (model(xs[0].to(env.device)).argmax(1) == ys[0].to(env.device)).float().mean().item()
-        log0("\n" + format_table([{
-            "ranks": env.world_size, "steps": steps, "final loss (rank 0)": f"{loss.item():.4f}",
-            "test accuracy": f"{accuracy:.1%}", "all-reduces/step": ledger.calls("all_reduce") // steps,
-            "grad bytes/step": format_bytes(ledger.bytes("all_reduce") / steps),
-            "samples/s": f"{steps * args.global_batch / elapsed:.0f}"}]))
-    finally:
-        shutdown()
-
-
-def main(argv: list[str] | None = None) -> None:
-    _train_demo(lambda model, args: DDPBucketed(model, bucket_size_mb=args.bucket_mb),
-               "DDP, bucketed all-reduce overlapped with backward", argv)
-
-
-if __name__ == "__main__":
-    main()

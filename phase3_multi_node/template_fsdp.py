@@ -1,3 +1,5 @@
+# Generated from solutions/phase3_multi_node/fsdp.py by `python -m distlab.templates --write`.
+# Write your code inside the '--- TODO' regions, in place of their `raise todo(...)`.
 """ZeRO-3 / FSDP from scratch: parameters sharded too, gathered just in time, freed after use.
 
 Each *unit* (by default every child module that owns trainable parameters; a
@@ -20,7 +22,7 @@ the wire and the gathered weights are half-size; gradients are cast to fp32 befo
 the reduce-scatter and kept in fp32. Frozen parameters and buffers are not sharded.
 See phase3_multi_node/guidelines_ddp_zero.md#zero-3-fsdp.
 
-Run: ``RUN_MODE=zero ./entrypoint.sh --stage 3 [--compute-dtype bfloat16]`` (zero_demo.py).
+Run: ``RUN_MODE=zero ./entrypoint.sh --stage 3 [--compute-dtype bfloat16]`` (demos/zero.py).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distlab.comm import all_gather_single, reduce_scatter_single
+from distlab.sync import broadcast_module
 from distlab.todo import todo
 
 
@@ -98,10 +101,7 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         self.module, self.group, self.compute_dtype = model, group, compute_dtype
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        with torch.no_grad():
-            for t in itertools.chain(model.parameters(), model.buffers()):
-                dist.broadcast(t, src=src, group=group)
+        broadcast_module(model, group)  # replicas start equal to rank 0's (Phase 1's lesson)
         units = default_units(model) if units is None else list(units)
         for u in units:
             inner = [m for m in u.modules() if m is not u and any(m is v for v in units)]
@@ -153,9 +153,10 @@ class FullyShardedDataParallel(nn.Module):
         """Materialise u's full parameters from every rank's chunk (no-op if already there)."""
         if u.is_gathered():
             return
-        # --- TODO 3.17: allocate u.full's storage and all-gather the chunks into it ---
-        # alloc_storage(u.full) gives the flat buffer its memory back (the params are views of it);
-        # then all_gather_single(u.full, my chunk cast to u.full.dtype, group=self.group).
+        # --- TODO 3.17: gather a unit's parameters ---
+        # Goal: give `u.full` its memory back (u's params are views of it) and fill it with every
+        # rank's chunk, in the compute dtype `u.full.dtype` (cast before sending: in bf16 half the
+        # bytes on the wire). Collective: every rank of `self.group` gathers the same unit.
         raise todo("3.17 gather a unit's parameters", "guidelines_ddp_zero.md#zero-3-fsdp")
         # --- end TODO 3.17 ---
 
@@ -166,11 +167,11 @@ class FullyShardedDataParallel(nn.Module):
     @torch.no_grad()
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         u, j = self._where[p]
-        # --- TODO 3.18a: copy the gradient (as fp32) into u.grad_full; when u is complete, free u ---
-        # Allocate u.grad_full (zeros, u.full.numel() elements, u.shard's dtype: fp32) on first use;
-        # copy p.grad (flattened) into its slice at u.offsets[j]; p.grad = None; add j to u.ready.
-        # When every param of u is ready, u's backward is done: self._reshard(u).
-        raise todo("3.18 collect gradients into the unit's flat fp32 buffer", "guidelines_ddp_zero.md#zero-3-fsdp")
+        # --- TODO 3.18a: collect gradients into the unit's flat fp32 buffer ---
+        # Goal: p's gradient moves, as fp32, into its place in u's full flat gradient (created on
+        # first use, like `u.full` in u.shard's dtype) and the full-size `p.grad` is dropped;
+        # p is marked ready, and once all of u's params are, u's gathered parameters are freed.
+        raise todo("3.18a collect gradients into the unit's flat fp32 buffer", "guidelines_ddp_zero.md#zero-3-fsdp")
         # --- end TODO 3.18a ---
         self._launch_ready()
 
@@ -182,10 +183,11 @@ class FullyShardedDataParallel(nn.Module):
                 return
             if u.grad_full is None:  # no gradient on this rank (unused): zeros
                 u.grad_full = torch.zeros(u.full.numel(), dtype=u.shard.dtype, device=u.shard.device)
-            # --- TODO 3.18b: launch the reduce-scatter of u.grad_full into a fresh chunk (async) ---
-            # out = torch.empty_like(u.shard); launch reduce_scatter_single(out, u.grad_full, op=SUM,
-            # group=self.group, async_op=True) and keep u.handle = (handle, out).
-            raise todo("3.18 reduce-scatter a unit's gradient", "guidelines_ddp_zero.md#zero-3-fsdp")
+            # --- TODO 3.18b: reduce-scatter a unit's gradient ---
+            # Goal: start (without waiting) the sum over the ranks of `u.grad_full`, of which this
+            # rank receives only its chunk, in a fresh tensor shaped like `u.shard`; keep the
+            # handle and that tensor in `u.handle`. Collective: same units, same order everywhere.
+            raise todo("3.18b reduce-scatter a unit's gradient", "guidelines_ddp_zero.md#zero-3-fsdp")
             # --- end TODO 3.18b ---
             self._next -= 1
 
@@ -234,10 +236,11 @@ class FullyShardedDataParallel(nn.Module):
         state = {n: t.detach().clone() for n, t in self.module.state_dict(keep_vars=True).items()
                  if not any(t is p for p in self._where)}  # buffers and frozen parameters
         for u in self.units:
-            # --- TODO 3.19a: all-gather the fp32 chunks and cut the flat buffer into named tensors ---
-            # flat = an empty tensor of u.full.numel() elements in u.shard's dtype; all_gather_single the
-            # chunks into it; state[name] = flat[start:start + numel].view(p.shape).clone() for each param.
-            raise todo("3.19 gather a full state dict", "guidelines_ddp_zero.md#state-dicts")
+            # --- TODO 3.19a: gather a full state dict ---
+            # Goal: `state[name]` for each of u's params: the full tensor, in the master dtype
+            # (u.shard's), rebuilt from every rank's chunk; an independent copy, not a view.
+            # Collective: every rank of `self.group` calls it, unit by unit.
+            raise todo("3.19a gather a full state dict", "guidelines_ddp_zero.md#state-dicts")
             # --- end TODO 3.19a ---
         for alias, p in self.module.named_parameters(remove_duplicate=False):
             state.setdefault(alias, state[self._names[p]])  # a tied weight under its second name
@@ -247,10 +250,11 @@ class FullyShardedDataParallel(nn.Module):
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Keep my chunk of every sharded parameter in ``state`` (no communication); copy the rest."""
         for u in self.units:
-            # --- TODO 3.19b: rebuild the flat buffer from state[name]s and keep my chunk ---
-            # Rebuild the padded flat buffer from state[name] for u's params (zeros in the padding),
-            # then copy my chunk (rank * chunk ... (rank + 1) * chunk) into u.shard.
-            raise todo("3.19 load a full state dict into shards", "guidelines_ddp_zero.md#state-dicts")
+            # --- TODO 3.19b: load a full state dict into shards ---
+            # Goal: `u.shard` becomes this rank's chunk of u's padded flat layout built from the
+            # named tensors in `state` (zeros in the padding). No communication: every rank
+            # reads the whole dict.
+            raise todo("3.19b load a full state dict into shards", "guidelines_ddp_zero.md#state-dicts")
             # --- end TODO 3.19b ---
         for name, t in self.module.state_dict(keep_vars=True).items():
             if not any(t is p for p in self._where):  # buffers and frozen parameters: replicated

@@ -1,3 +1,5 @@
+# Generated from solutions/phase3_multi_node/zero.py by `python -m distlab.templates --write`.
+# Write your code inside the '--- TODO' regions, in place of their `raise todo(...)`.
 """ZeRO stages 1 and 2 from scratch: shard the optimizer state, then the gradients.
 
 Data parallelism keeps W copies of everything. For mixed-precision Adam,
@@ -26,7 +28,7 @@ stage 2: reduce-scatter + all-gather = 2 Psi, the same as DDP's all-reduce.
 Parameters unused in a step get a zero gradient (a chunk is one tensor for the optimizer).
 See phase3_multi_node/guidelines_ddp_zero.md#zero-1-optimizer-state-sharded.
 
-Run: ``RUN_MODE=zero ./entrypoint.sh --stage 2`` (zero_demo.py; stage 3 is fsdp.py).
+Run: ``RUN_MODE=zero ./entrypoint.sh --stage 2`` (demos/zero.py; stage 3 is fsdp.py).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distlab.comm import all_gather_single, reduce_scatter_single
+from distlab.sync import broadcast_module
 from distlab.todo import todo
 
 
@@ -112,10 +115,7 @@ class ZeroOptimizer:
             raise ValueError(f"stage must be 1 or 2 (stage 3 is FullyShardedDataParallel), got {stage}")
         self.model, self.stage, self.group = model, stage, group
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        with torch.no_grad():
-            for t in itertools.chain(model.parameters(), model.buffers()):
-                dist.broadcast(t, src=src, group=group)
+        broadcast_module(model, group)  # replicas start equal to rank 0's (Phase 1's lesson)
         names = {p: n for n, p in model.named_parameters()}
         trainable = [p for p in model.parameters() if p.requires_grad][::-1]  # backward order
         self.buckets = [make_flat_bucket(ps, [names[p] for p in ps], self.world_size, self.rank)
@@ -160,20 +160,21 @@ class ZeroOptimizer:
                 return
             if self._pending[i] is None:  # no gradient at all on this rank: zeros
                 self._pending[i] = torch.zeros_like(bucket.flat)
-            # --- TODO 3.16a: reduce-scatter the bucket's gradient into a chunk, asynchronously ---
-            # out = torch.empty_like(self.shards[i]) receives my chunk of the sum over ranks;
-            # reduce_scatter_single(out, self._pending[i], op=SUM, group=self.group, async_op=True)
-            # returns a handle: store (handle, out) in self._handles[i].
-            raise todo("3.16 reduce-scatter a full bucket", "guidelines_ddp_zero.md#zero-2-gradients-reduce-scattered")
+            # --- TODO 3.16a: reduce-scatter a full bucket ---
+            # Goal: start (without waiting) the sum over the ranks of bucket i's full gradient
+            # `self._pending[i]`, of which this rank receives only ITS chunk, in a fresh tensor
+            # shaped like `self.shards[i]`; remember it and the handle in `self._handles[i]`.
+            # Collective: every rank launches the same buckets in the same (index) order.
+            raise todo("3.16a reduce-scatter a full bucket", "guidelines_ddp_zero.md#zero-2-gradients-reduce-scattered")
             # --- end TODO 3.16a ---
             self._next += 1
 
     def _finish_stage2(self) -> None:
         self._launch_ready(force=True)  # buckets with unused parameters: what is missing is zero
-        # --- TODO 3.16b: wait, and add each reduced chunk (a sum over ranks) / W into the shard's grad ---
-        # For each (handle, out) in self._handles: wait, then add out / W into self.shards[i].grad
-        # (add, not assign: several backwards before one step accumulate).
-        raise todo("3.16 wait for the reduce-scatters", "guidelines_ddp_zero.md#zero-2-gradients-reduce-scattered")
+        # --- TODO 3.16b: wait for the reduce-scatters ---
+        # Goal: once every reduce-scatter is done, each shard's gradient holds the MEAN over the
+        # ranks of its chunk; accumulate into it (several backwards before one step add up).
+        raise todo("3.16b wait for the reduce-scatters", "guidelines_ddp_zero.md#zero-2-gradients-reduce-scattered")
         # --- end TODO 3.16b ---
         self._pending = [None] * len(self.buckets)
         self._handles = [None] * len(self.buckets)
@@ -189,12 +190,11 @@ class ZeroOptimizer:
         """
         if self.stage == 2:
             self._finish_stage2()
-        # --- TODO 3.15: (stage 1) all-reduce the flat gradients; step; all-gather every bucket ---
-        # Stage 1 only: for each bucket, all_reduce its flat gradient (self.grad_flats[i], SUM),
-        # divide by W, and give self.shards[i] its gradient: bucket.chunk(flat gradient) (a view).
-        # Both stages: self.optimizer.step() (it only sees my chunks), then for every bucket
-        # all_gather_single(bucket.flat, shard.detach(), group=self.group): my chunk is already
-        # in place inside bucket.flat, the others arrive from their owners.
+        # --- TODO 3.15: sharded optimizer step ---
+        # Goal: (stage 1 only) average each flat gradient over the ranks and give each shard its
+        # chunk of it as gradient; then (both stages) update only this rank's chunks, and make
+        # every rank's full buckets (the model's parameters are views of them) hold everyone's
+        # updated chunks. Collective: every rank, every bucket, in the same order.
         raise todo("3.15 sharded optimizer step", "guidelines_ddp_zero.md#zero-1-optimizer-state-sharded")
         # --- end TODO 3.15 ---
 

@@ -11,11 +11,11 @@ would wait for a rank that has run out of data.
 Index for index the same as ``torch.utils.data.DistributedSampler``.
 See phase1_data_parallel/guidelines.md#sharding-the-data.
 
-Run the demo: ``RUN_MODE=train ./entrypoint.sh``.
+Run the demo, which prints each rank's shard per epoch: ``RUN_MODE=train ./entrypoint.sh``
+(``IMPL=templates RUN_MODE=train ./entrypoint.sh`` for yours).
 """
 from __future__ import annotations
 
-import argparse
 import math
 from typing import Iterator, Sized
 
@@ -52,6 +52,11 @@ class DistributedSampler(Sampler[int]):
         self.drop_last = drop_last
         self.epoch = 0
         n = len(dataset)
+        # ### BEGIN SOLUTION 1.4: sampler sizes [guidelines.md#sharding-the-data]
+        # Set self.num_samples (how many indices this rank yields) and self.total_size (the
+        # length of the padded or trimmed index list, = num_samples * W). Every rank must get
+        # the same count: pad up to the next multiple of W, or, with drop_last and n not
+        # divisible by W, drop the tail instead. Same sizes as torch's DistributedSampler.
         if drop_last and n % num_replicas:
             # Drop the tail: every rank gets floor(n / W) samples.
             self.num_samples = math.ceil((n - num_replicas) / num_replicas)
@@ -59,9 +64,16 @@ class DistributedSampler(Sampler[int]):
             # Pad by repeating the head: every rank gets ceil(n / W) samples.
             self.num_samples = math.ceil(n / num_replicas)
         self.total_size = self.num_samples * num_replicas
+        # ### END SOLUTION 1.4
 
     def __iter__(self) -> Iterator[int]:
         n = len(self.dataset)
+        # ### BEGIN SOLUTION 1.5: sampler indices [guidelines.md#sharding-the-data]
+        # Return an iterator over this rank's num_samples indices. All ranks start from one
+        # order they compute alike with no communication (a permutation that depends only on
+        # seed + epoch, or 0..n-1 without shuffle), bring it to total_size (drop_last: cut;
+        # else pad from its head, even when n < W), and take disjoint, interleaved shares.
+        # Index for index the same as torch.utils.data.DistributedSampler.
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
@@ -76,6 +88,7 @@ class DistributedSampler(Sampler[int]):
             indices += (indices * math.ceil(padding / len(indices)))[:padding] if padding else []
         assert len(indices) == self.total_size
         return iter(indices[self.rank:self.total_size:self.num_replicas])
+        # ### END SOLUTION 1.5
 
     def __len__(self) -> int:
         return self.num_samples
@@ -92,39 +105,3 @@ def distributed_loader(dataset: Dataset, batch_size: int, rank: int, world_size:
     sampler = DistributedSampler(dataset, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                       drop_last=drop_last)
-
-
-def main(argv: list[str] | None = None) -> None:
-    import torch.distributed as dist
-
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import log0
-
-    parser = argparse.ArgumentParser(description="Show each rank's shard of a data set, per epoch.")
-    parser.add_argument("--size", type=int, default=10, help="data set size (try one that W does not divide)")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--drop-last", action="store_true")
-    parser.add_argument("--no-shuffle", action="store_true")
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        dataset = list(range(args.size))
-        sampler = DistributedSampler(dataset, env.world_size, env.rank, shuffle=not args.no_shuffle,
-                                     drop_last=args.drop_last)
-        log0(f"data set of {args.size} samples on {env.world_size} ranks: {len(sampler)} per rank "
-             f"({'tail dropped' if args.drop_last else 'padded by repeating the head'})")
-        for epoch in range(args.epochs):
-            sampler.set_epoch(epoch)
-            shards = [None] * env.world_size
-            dist.all_gather_object(shards, list(sampler))
-            log0(f"epoch {epoch}:")
-            for r, shard in enumerate(shards):
-                log0(f"  rank {r}: {shard}")
-            seen = [i for shard in shards for i in shard]
-            log0(f"  distinct samples seen: {len(set(seen))}/{args.size}, repeated: {len(seen) - len(set(seen))}")
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()

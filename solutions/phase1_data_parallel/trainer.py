@@ -15,13 +15,11 @@ Cost per step: one all-reduce per parameter, |params| bytes in all, after backwa
 has finished (no overlap: Phase 3 buckets and overlaps it).
 See phase1_data_parallel/guidelines.md#naive-data-parallelism.
 
-Run: ``RUN_MODE=data_parallel_naive ./entrypoint.sh`` (TinyCNN on digits).
+Run the demo, TinyCNN trained on digits: ``RUN_MODE=data_parallel_naive ./entrypoint.sh``
+(``IMPL=templates RUN_MODE=data_parallel_naive ./entrypoint.sh`` for yours).
 """
 from __future__ import annotations
 
-import argparse
-import itertools
-import time
 from typing import Callable
 
 import torch
@@ -37,8 +35,13 @@ def broadcast_parameters(model: nn.Module, src: int = 0, group: dist.ProcessGrou
     Cost: |params| + |buffers| bytes from ``src``.
     """
     with torch.no_grad():
-        for t in itertools.chain(model.parameters(), model.buffers()):
+        # ### BEGIN SOLUTION 1.6: broadcast parameters and buffers [guidelines.md#naive-data-parallelism]
+        # Goal: every parameter and every buffer of `model` ends, in place, equal to rank `src`'s.
+        # Collective: every rank calls it and must visit the same tensors in the same order,
+        # or ranks pair up the wrong tensors (a hang, or silently mixed weights).
+        for t in [*model.parameters(), *model.buffers()]:
             dist.broadcast(t, src=src, group=group)
+        # ### END SOLUTION 1.6
 
 
 def allreduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
@@ -54,10 +57,16 @@ def allreduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = None
     Cost: one all-reduce per parameter with a gradient; |grads| bytes in all.
     """
     world_size = dist.get_world_size(group)
+    # ### BEGIN SOLUTION 1.7: all-reduce gradients [guidelines.md#naive-data-parallelism]
+    # Goal: afterwards every `p.grad` holds the mean over the ranks of `group` of that
+    # gradient, in place; parameters without a gradient are left alone, and each parameter
+    # is reduced exactly once (a tied one too).
+    # Collective: every rank calls it with the same gradients present, in the same order.
     for p in model.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
             p.grad /= world_size
+    # ### END SOLUTION 1.7
 
 
 def sync_buffers(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
@@ -71,10 +80,15 @@ def sync_buffers(model: nn.Module, group: dist.ProcessGroup | None = None) -> No
     """
     world_size = dist.get_world_size(group)
     with torch.no_grad():
+        # ### BEGIN SOLUTION 1.8: average BatchNorm buffers [guidelines.md#naive-data-parallelism]
+        # Goal: every floating-point buffer ends as its mean over the ranks of `group`, in place;
+        # integer buffers (num_batches_tracked) are equal everywhere already: leave them alone.
+        # Collective: every rank calls it, visiting the same buffers in the same order.
         for b in model.buffers():
             if b.is_floating_point():
                 dist.all_reduce(b, op=dist.ReduceOp.SUM, group=group)
                 b /= world_size
+        # ### END SOLUTION 1.8
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -89,72 +103,3 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     optimizer.step()
     sync_buffers(model, group)
     return loss.detach()
-
-
-# --------------------------------------------------------------------------- demo
-@torch.no_grad()
-def evaluate(model: nn.Module, dataset, device: torch.device, batch_size: int = 512) -> float:
-    """Accuracy of ``model`` on the whole of ``dataset`` (every rank computes the same)."""
-    model.eval()
-    correct = 0
-    for x, y in torch.utils.data.DataLoader(dataset, batch_size=batch_size):
-        correct += (model(x.to(device)).argmax(1) == y.to(device)).sum().item()
-    model.train()
-    return correct / len(dataset)
-
-
-def main(argv: list[str] | None = None) -> None:
-    from distlab.data import digits, per_rank_batch
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_table, log0, progress
-    from distlab.models import TinyCNN
-    from solutions.phase1_data_parallel.data_loader import distributed_loader
-
-    parser = argparse.ArgumentParser(description="Naive data-parallel training of TinyCNN on digits.")
-    parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--global-batch", type=int, default=48,
-                        help="divisible by 1, 2, 3, 4, 6, 8, 12, 16 and 24 ranks")
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--image-size", type=int, default=16)
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        per_rank_batch(args.global_batch, env.world_size)  # a clear error if it does not divide
-        train, test = digits("train", args.image_size), digits("test", args.image_size)
-        torch.manual_seed(env.rank)  # deliberately different: the broadcast makes replicas equal
-        model = TinyCNN(num_classes=10).to(env.device)
-        broadcast_parameters(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        loader = distributed_loader(train, args.global_batch // env.world_size, env.rank, env.world_size,
-                                    drop_last=True)
-        # Cosine decay to zero: the weights settle at the end, so BatchNorm's running
-        # statistics (used at evaluation) describe the final weights, not a blur of them.
-        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
-        loss_fn = nn.CrossEntropyLoss()
-        log0(f"naive data parallel: {env.world_size} ranks ({env.backend}), global batch {args.global_batch}, "
-             f"{len(loader)} steps/epoch, {sum(p.numel() for p in model.parameters())} parameters")
-        start = time.perf_counter()
-        steps = 0
-        for epoch in range(args.epochs):
-            loader.sampler.set_epoch(epoch)
-            bar = progress(loader, desc=f"epoch {epoch}")
-            for x, y in bar:
-                loss = train_step(model, optimizer, loss_fn, x.to(env.device), y.to(env.device))
-                scheduler.step()
-                dist.all_reduce(loss)  # for display only: the mean loss over ranks
-                steps += 1
-                if hasattr(bar, "set_postfix"):
-                    bar.set_postfix(loss=f"{loss.item() / env.world_size:.3f}")
-        elapsed = time.perf_counter() - start
-        accuracy = evaluate(model, test, env.device)
-        log0("\n" + format_table([{
-            "ranks": env.world_size, "epochs": args.epochs, "steps": steps,
-            "final loss": f"{loss.item() / env.world_size:.4f}", "test accuracy": f"{accuracy:.1%}",
-            "chance": "10.0%", "samples/s": f"{steps * args.global_batch / elapsed:.0f}",
-            "wall s": f"{elapsed:.1f}"}]))
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()

@@ -17,7 +17,7 @@ fewer calls:
   different order.
 * ``finish_gradient_synchronization()``: launch what is left, wait (gradients were
   divided by W on their way into the bucket, and ``p.grad`` are views: nothing to copy back).
-* ``no_sync()``: hooks do nothing; gradients accumulate in ``p.grad``.
+* ``no_sync()`` (``distlab.sync.NoSyncMixin``): hooks do nothing; gradients accumulate in ``p.grad``.
 * Unused parameters: a bucket holding one never fills. With
   ``find_unused_parameters=True`` they are marked ready (zeros) at the finish and one
   extra all-reduce of a "used" bitmap tells which ones no rank used: those keep
@@ -27,18 +27,19 @@ Cost per step: one all-reduce per bucket, |grads| bytes in all (+ one bitmap of
 n_params int32 with find_unused_parameters); no extra memory: gradients live in the buckets.
 See phase3_multi_node/guidelines_ddp_zero.md#ddp-buckets.
 
-Run: ``RUN_MODE=data_parallel_bucket_overlap ./entrypoint.sh [--bucket-mb 0.01]``.
+Run: ``RUN_MODE=data_parallel_bucket_overlap ./entrypoint.sh [--bucket-mb 0.01]``
+(demos/data_parallel_bucket_overlap.py).
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from distlab.sync import NoSyncMixin, broadcast_module, group_root
 
 
 @dataclass
@@ -72,7 +73,10 @@ def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float,
     cap = bucket_size_mb * 1024 * 1024
     first_cap = min(first_bucket_mb * 1024 * 1024, cap) if first_bucket_mb is not None else cap
     buckets: list[list[nn.Parameter]] = []
-    # --- TODO 3.12: fill buckets in order, closing one when the next param would overflow it ---
+    # ### BEGIN SOLUTION 3.12: assign parameters to buckets [guidelines_ddp_zero.md#ddp-buckets]
+    # Goal: cut `params`, kept in their order, into consecutive buckets: a bucket closes when
+    # the next parameter would take its bytes past its cap (`first_cap` for the first bucket,
+    # `cap` after) or has another dtype or device. A parameter bigger than the cap sits alone.
     size = 0
     for p in params:
         nbytes = p.numel() * p.element_size()
@@ -83,11 +87,11 @@ def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float,
             size = 0
         buckets[-1].append(p)
         size += nbytes
-    # --- end TODO 3.12 ---
+    # ### END SOLUTION 3.12
     return buckets
 
 
-class DDPBucketed(nn.Module):
+class DDPBucketed(NoSyncMixin, nn.Module):
     """Data parallelism with gradients all-reduced in buckets, overlapped with backward.
 
     Args:
@@ -112,13 +116,11 @@ class DDPBucketed(nn.Module):
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
-        self.src = dist.get_global_rank(group, 0) if group is not None else 0
+        self.src = group_root(group)
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
-        self.require_sync = True
-        with torch.no_grad():
-            for t in itertools.chain(module.parameters(), module.buffers()):
-                dist.broadcast(t, src=self.src, group=group)
+        self.require_sync = True  # False inside no_sync() (NoSyncMixin): gradients accumulate locally
+        broadcast_module(module, group)  # replicas start equal to rank 0's (Phase 1's lesson)
         # Reverse registration order approximates the order gradients become ready.
         trainable = [p for p in module.parameters() if p.requires_grad][::-1]
         self.names = {p: n for n, p in module.named_parameters()}
@@ -161,8 +163,11 @@ class DDPBucketed(nn.Module):
             return
         b, i = self._where[p]
         bucket = self.buckets[b]
-        # --- TODO 3.13: make p.grad (divided by W) a view of its bucket slice, mark it ready, launch ---
-        # Overlaps with the rest of backward; one all-reduce per bucket, |bucket| bytes.
+        # ### BEGIN SOLUTION 3.13: fill the bucket from the gradient hook [guidelines_ddp_zero.md#ddp-buckets]
+        # Goal: p's gradient, already divided by W, ends up in p's slice of its bucket, and from
+        # then on `p.grad` IS that slice (autograd accumulates there, nothing to copy back).
+        # Then mark p ready and launch every bucket that is complete and next in line: the
+        # launch order is the bucket index order on every rank, whatever order hooks fire in.
         view = bucket.views[i]
         if p.grad.data_ptr() != view.data_ptr():
             # First step, or after zero_grad(set_to_none=True): move the gradient into the
@@ -176,7 +181,7 @@ class DDPBucketed(nn.Module):
             view.div_(self.world_size)
         bucket.ready.add(i)
         self._launch_ready_buckets()
-        # --- end TODO 3.13 ---
+        # ### END SOLUTION 3.13
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket's all-reduce and write the means back into ``p.grad``.
@@ -187,7 +192,11 @@ class DDPBucketed(nn.Module):
         """
         if not self.require_sync:
             return
-        # --- TODO 3.14: mark unused parameters ready, launch the rest, wait ---
+        # ### BEGIN SOLUTION 3.14: finish: unused parameters, wait [guidelines_ddp_zero.md#ddp-buckets]
+        # Goal: every bucket gets launched and waited for, even one holding a parameter that got
+        # no gradient here (an error naming it, unless find_unused_parameters: then it adds zeros,
+        # and a parameter NO rank used keeps grad None on every rank, which needs one more
+        # collective). Leave the buckets ready for the next step.
         locally_used = {p: i in bucket.ready for bucket in self.buckets for i, p in enumerate(bucket.params)}
         unused = [p for p, used in locally_used.items() if not used]
         if unused and not self.find_unused_parameters:
@@ -214,25 +223,4 @@ class DDPBucketed(nn.Module):
             bucket.ready.clear()
             bucket.handle = None
         self._next = 0
-        # --- end TODO 3.14 ---
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backwards inside accumulate ``p.grad`` locally; the next synced backward reduces the sum."""
-        previous, self.require_sync = self.require_sync, False
-        try:
-            yield
-        finally:
-            self.require_sync = previous
-
-
-# --------------------------------------------------------------------------- demo
-def main(argv: list[str] | None = None) -> None:
-    from solutions.phase3_multi_node.ddp_overlap import train_demo
-
-    train_demo(lambda model, args: DDPBucketed(model, bucket_size_mb=args.bucket_mb),
-               "DDP, bucketed all-reduce overlapped with backward", argv)
-
-
-if __name__ == "__main__":
-    main()
+        # ### END SOLUTION 3.14

@@ -20,7 +20,7 @@ the wire and the gathered weights are half-size; gradients are cast to fp32 befo
 the reduce-scatter and kept in fp32. Frozen parameters and buffers are not sharded.
 See phase3_multi_node/guidelines_ddp_zero.md#zero-3-fsdp.
 
-Run: ``RUN_MODE=zero ./entrypoint.sh --stage 3 [--compute-dtype bfloat16]`` (zero_demo.py).
+Run: ``RUN_MODE=zero ./entrypoint.sh --stage 3 [--compute-dtype bfloat16]`` (demos/zero.py).
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distlab.comm import all_gather_single, reduce_scatter_single
+from distlab.sync import broadcast_module
 
 
 @dataclass
@@ -97,10 +98,7 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         self.module, self.group, self.compute_dtype = model, group, compute_dtype
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        with torch.no_grad():
-            for t in itertools.chain(model.parameters(), model.buffers()):
-                dist.broadcast(t, src=src, group=group)
+        broadcast_module(model, group)  # replicas start equal to rank 0's (Phase 1's lesson)
         units = default_units(model) if units is None else list(units)
         for u in units:
             inner = [m for m in u.modules() if m is not u and any(m is v for v in units)]
@@ -152,11 +150,13 @@ class FullyShardedDataParallel(nn.Module):
         """Materialise u's full parameters from every rank's chunk (no-op if already there)."""
         if u.is_gathered():
             return
-        # --- TODO 3.17: allocate u.full's storage and all-gather the chunks into it ---
-        # |u.full| (W-1)/W bytes in, in the compute dtype (a cast chunk: half the bytes in bf16).
+        # ### BEGIN SOLUTION 3.17: gather a unit's parameters [guidelines_ddp_zero.md#zero-3-fsdp]
+        # Goal: give `u.full` its memory back (u's params are views of it) and fill it with every
+        # rank's chunk, in the compute dtype `u.full.dtype` (cast before sending: in bf16 half the
+        # bytes on the wire). Collective: every rank of `self.group` gathers the same unit.
         alloc_storage(u.full)
         all_gather_single(u.full, u.shard.detach().to(u.full.dtype), group=self.group)
-        # --- end TODO 3.17 ---
+        # ### END SOLUTION 3.17
 
     def _reshard(self, u: Unit) -> None:
         free_storage(u.full)  # the params stay views: valid again after the next _unshard
@@ -165,7 +165,10 @@ class FullyShardedDataParallel(nn.Module):
     @torch.no_grad()
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         u, j = self._where[p]
-        # --- TODO 3.18a: copy the gradient (as fp32) into u.grad_full; when u is complete, free u ---
+        # ### BEGIN SOLUTION 3.18a: collect gradients into the unit's flat fp32 buffer [guidelines_ddp_zero.md#zero-3-fsdp]
+        # Goal: p's gradient moves, as fp32, into its place in u's full flat gradient (created on
+        # first use, like `u.full` in u.shard's dtype) and the full-size `p.grad` is dropped;
+        # p is marked ready, and once all of u's params are, u's gathered parameters are freed.
         if u.grad_full is None:
             u.grad_full = torch.zeros(u.full.numel(), dtype=u.shard.dtype, device=u.shard.device)
         start = u.offsets[j]
@@ -174,7 +177,7 @@ class FullyShardedDataParallel(nn.Module):
         u.ready.add(j)
         if len(u.ready) == len(u.params):
             self._reshard(u)  # u's backward is over: its full parameters can go
-        # --- end TODO 3.18a ---
+        # ### END SOLUTION 3.18a
         self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
@@ -185,11 +188,14 @@ class FullyShardedDataParallel(nn.Module):
                 return
             if u.grad_full is None:  # no gradient on this rank (unused): zeros
                 u.grad_full = torch.zeros(u.full.numel(), dtype=u.shard.dtype, device=u.shard.device)
-            # --- TODO 3.18b: launch the reduce-scatter of u.grad_full into a fresh chunk (async) ---
+            # ### BEGIN SOLUTION 3.18b: reduce-scatter a unit's gradient [guidelines_ddp_zero.md#zero-3-fsdp]
+            # Goal: start (without waiting) the sum over the ranks of `u.grad_full`, of which this
+            # rank receives only its chunk, in a fresh tensor shaped like `u.shard`; keep the
+            # handle and that tensor in `u.handle`. Collective: same units, same order everywhere.
             out = torch.empty_like(u.shard)
             u.handle = (reduce_scatter_single(out, u.grad_full, op=dist.ReduceOp.SUM, group=self.group,
                                               async_op=True), out)
-            # --- end TODO 3.18b ---
+            # ### END SOLUTION 3.18b
             self._next -= 1
 
     @torch.no_grad()
@@ -237,12 +243,15 @@ class FullyShardedDataParallel(nn.Module):
         state = {n: t.detach().clone() for n, t in self.module.state_dict(keep_vars=True).items()
                  if not any(t is p for p in self._where)}  # buffers and frozen parameters
         for u in self.units:
-            # --- TODO 3.19a: all-gather the fp32 chunks and cut the flat buffer into named tensors ---
+            # ### BEGIN SOLUTION 3.19a: gather a full state dict [guidelines_ddp_zero.md#state-dicts]
+            # Goal: `state[name]` for each of u's params: the full tensor, in the master dtype
+            # (u.shard's), rebuilt from every rank's chunk; an independent copy, not a view.
+            # Collective: every rank of `self.group` calls it, unit by unit.
             flat = torch.empty(u.full.numel(), dtype=u.shard.dtype, device=u.shard.device)
             all_gather_single(flat, u.shard.detach(), group=self.group)
             for p, name, start in zip(u.params, u.names, u.offsets):
                 state[name] = flat[start:start + p.numel()].view(p.shape).clone()
-            # --- end TODO 3.19a ---
+            # ### END SOLUTION 3.19a
         for alias, p in self.module.named_parameters(remove_duplicate=False):
             state.setdefault(alias, state[self._names[p]])  # a tied weight under its second name
         return state
@@ -251,13 +260,16 @@ class FullyShardedDataParallel(nn.Module):
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Keep my chunk of every sharded parameter in ``state`` (no communication); copy the rest."""
         for u in self.units:
-            # --- TODO 3.19b: rebuild the flat buffer from state[name]s and keep my chunk ---
+            # ### BEGIN SOLUTION 3.19b: load a full state dict into shards [guidelines_ddp_zero.md#state-dicts]
+            # Goal: `u.shard` becomes this rank's chunk of u's padded flat layout built from the
+            # named tensors in `state` (zeros in the padding). No communication: every rank
+            # reads the whole dict.
             flat = torch.zeros(u.full.numel(), dtype=u.shard.dtype, device=u.shard.device)
             for p, name, start in zip(u.params, u.names, u.offsets):
                 flat[start:start + p.numel()].copy_(state[name].reshape(-1))
             chunk = u.shard.numel()
             u.shard.copy_(flat[self.rank * chunk:(self.rank + 1) * chunk])
-            # --- end TODO 3.19b ---
+            # ### END SOLUTION 3.19b
         for name, t in self.module.state_dict(keep_vars=True).items():
             if not any(t is p for p in self._where):  # buffers and frozen parameters: replicated
                 t.copy_(state[name])

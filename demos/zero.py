@@ -1,10 +1,13 @@
 """RUN_MODE=zero: train TinyGPT with ZeRO stage 1, 2 or 3 and print per-rank memory and traffic.
 
     RUN_MODE=zero ./entrypoint.sh --stage 3 [--compute-dtype bfloat16] [--steps 40]
+    IMPL=templates RUN_MODE=zero ./entrypoint.sh --stage 1   # your template_zero.py (2: also; 3: template_fsdp.py)
 
-The summary shows, per rank, the bytes held for parameters, gradients and
-optimizer state (compare the fractions with guidelines_ddp_zero.md#memory-math)
-and the bytes each collective moved per step.
+Stages 1 and 2 run ``ZeroOptimizer`` (phase3_multi_node/zero.py), stage 3
+``FullyShardedDataParallel`` (phase3_multi_node/fsdp.py). The summary shows, per rank,
+the bytes held for parameters, gradients and optimizer state (compare the fractions
+with phase3_multi_node/guidelines_ddp_zero.md#memory-math) and the bytes each
+collective moved per step.
 """
 from __future__ import annotations
 
@@ -14,16 +17,18 @@ import time
 import torch
 import torch.distributed as dist
 
+from distlab.comm import CommLedger
+from distlab.data import synthetic_tokens
+from distlab.launch import init_from_env, shutdown
+from distlab.loader import load
+from distlab.metrics import format_bytes, format_table, log0, progress
+from distlab.models import GPTConfig, TinyGPT
+from distlab.todo import run_demo
+
+PHASE = "phase3_multi_node"
+
 
 def main(argv: list[str] | None = None) -> None:
-    from distlab.comm import CommLedger
-    from distlab.data import synthetic_tokens
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_bytes, format_table, log0, progress
-    from distlab.models import GPTConfig, TinyGPT
-    from solutions.phase3_multi_node.fsdp import FullyShardedDataParallel
-    from solutions.phase3_multi_node.zero import ZeroOptimizer
-
     parser = argparse.ArgumentParser(description="ZeRO-1/2/3 training of TinyGPT on synthetic tokens.")
     parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=3)
     parser.add_argument("--steps", type=int, default=40)
@@ -39,10 +44,11 @@ def main(argv: list[str] | None = None) -> None:
         kw = dict(lr=3e-3, weight_decay=0.1)
         if args.stage == 3:
             dtype = torch.bfloat16 if args.compute_dtype == "bfloat16" else None
-            zero = FullyShardedDataParallel(model, torch.optim.AdamW, compute_dtype=dtype, **kw)
+            zero = load(PHASE, "fsdp").FullyShardedDataParallel(model, torch.optim.AdamW, compute_dtype=dtype, **kw)
             forward = zero
         else:
-            zero = ZeroOptimizer(model, torch.optim.AdamW, stage=args.stage, bucket_size_mb=0.25, **kw)
+            zero = load(PHASE, "zero").ZeroOptimizer(model, torch.optim.AdamW, stage=args.stage,
+                                                     bucket_size_mb=0.25, **kw)
             forward = model
         inputs, targets = synthetic_tokens(n_seq=1024, seq_len=cfg.block_size, vocab_size=cfg.vocab_size).tensors
         g = torch.Generator().manual_seed(1234 + env.rank)  # each rank draws its own sequences
@@ -74,4 +80,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_demo(main)
