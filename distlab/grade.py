@@ -1,14 +1,20 @@
 """Grade a student's copy: run the phase tests against it, write Gradescope's results.json.
 
-    python -m distlab.grade --student-dir ~/submissions/alice --out results.json
+    python -m distlab.grade --student-dir=~/submissions/alice --out results.json
+    python -m distlab.grade --submission uploads/ --out results.json   # template files only
     python -m distlab.grade                      # this checkout's templates
     python -m distlab.grade --tests tests/test_phase1.py -- -x   # one phase, extra pytest args
+    python -m distlab.grade --autograder-zip autograder.zip      # Gradescope's autograder bundle
 
 The tests come from this (the instructor's) checkout; the code under test from
 ``--student-dir`` (its ``phaseN_*/template_*.py`` by default, ``--impl solutions``
-to grade a copy's ``solutions/``). One Gradescope test per exercise: score = tests
-passed, max_score = tests run, output = one line per failure ("rank 1, step 2,
-parameter fc1.weight: max abs diff 2.0e-02" or "TODO 3.1 ...: not implemented yet").
+to grade a copy's ``solutions/``), or from ``--submission``: a folder of the
+``template_*.py`` files a student uploaded, anywhere inside it; the ones not uploaded
+are the untouched templates. One Gradescope test per exercise: score = its weight
+(grading/weights.toml) times the share of its tests passed, scaffold tests excluded;
+output = one line per failure ("rank 1, step 2, parameter fc1.weight: max abs diff
+2.0e-02" or "TODO 3.1 ...: not implemented yet"). On Gradescope, grading/gradescope/
+run_autograder calls ``--submission /autograder/submission``.
 """
 from __future__ import annotations
 
@@ -16,8 +22,12 @@ import argparse
 import glob
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,14 +48,64 @@ def grade(student_dir: str | None, out: str, impl: str = "templates", tests: lis
         if not Path(student_dir).is_dir():
             raise FileNotFoundError(f"--student-dir {student_dir} is not a directory")
         cmd.append(f"--student-dir={os.path.abspath(student_dir)}")
-    proc = subprocess.run(cmd, cwd=REPO, timeout=timeout_s)
+    # pytest and the ranks it starts share a new session, killed whole on a timeout: nothing outlives grading.
+    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
+    try:
+        returncode = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        returncode = f"killed after {timeout_s:.0f} s"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
     if not Path(out).is_file():
-        raise RuntimeError(f"pytest exited with code {proc.returncode} and wrote no {out}: see its output above")
+        raise RuntimeError(f"pytest exited ({returncode}) and wrote no {out}: see its output above")
     results = json.loads(Path(out).read_text())
     results.pop("per_test", None)  # Gradescope wants score/tests; keep the file lean
     results["output"] = f"graded {'the copy in ' + student_dir if student_dir else 'this checkout'} (--impl {impl})"
     Path(out).write_text(json.dumps(results, indent=2))
     return results
+
+
+def student_copy_from_submission(submission: str | Path, dest: str | Path) -> list[str]:
+    """Lay out a student copy in ``dest``: every template of this checkout, overlaid by the
+    ``template_*.py`` files found anywhere in ``submission``. Returns the files taken from it.
+
+    Raises ValueError naming a file that matches no template (a typo would grade as untouched).
+    """
+    dest = Path(dest)
+    known = {p.name: p for p in REPO.glob("phase*/template_*.py")}
+    for p in known.values():
+        (dest / p.parent.name).mkdir(parents=True, exist_ok=True)
+        shutil.copy(p, dest / p.parent.name / p.name)
+    taken, unknown = [], []
+    for f in sorted(Path(submission).rglob("*.py")):
+        if f.name in known:
+            shutil.copy(f, dest / known[f.name].parent.name / f.name)
+            taken.append(f"{known[f.name].parent.name}/{f.name}")
+        elif f.name.startswith("template_"):
+            unknown.append(f.name)
+    if unknown:
+        raise ValueError(f"submitted {unknown} match no template of the course; expected names like "
+                         f"{sorted(known)[:3]}")
+    return taken
+
+
+def autograder_zip(path: str | Path) -> Path:
+    """Gradescope's autograder bundle: setup.sh and run_autograder at the top, the checkout beside them."""
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    path = Path(path)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for rel in files:
+            if (REPO / rel).is_file() and not rel.startswith("benchmarks/results/"):
+                z.write(REPO / rel, rel)
+        for name in ("setup.sh", "run_autograder"):
+            info = zipfile.ZipInfo(name)
+            info.external_attr = 0o755 << 16  # executable, as Gradescope runs them directly
+            z.writestr(info, (REPO / "grading" / "gradescope" / name).read_text())
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,12 +119,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="results.json", help="where to write Gradescope's results.json")
     parser.add_argument("--impl", default="templates", choices=["templates", "solutions"])
     parser.add_argument("--tests", nargs="*", default=None, help="test files (default: every tests/test_phase*.py)")
+    parser.add_argument("--submission", default=None,
+                        help="a folder holding a student's template_*.py files (Gradescope's /autograder/submission)")
+    parser.add_argument("--autograder-zip", default=None, metavar="ZIP", help="write Gradescope's autograder bundle")
     args = parser.parse_args(argv)
-    results = grade(args.student_dir, args.out, args.impl, args.tests, extra)
-    total = sum(t["max_score"] for t in results["tests"])
-    print(f"\nscore {results['score']}/{total}; wrote {args.out}")
+    if args.autograder_zip:
+        print(f"wrote {autograder_zip(args.autograder_zip)}: upload it as the assignment's autograder")
+        return 0
+    if args.submission:
+        if args.student_dir:
+            parser.error("--submission and --student-dir exclude each other")
+        with tempfile.TemporaryDirectory(prefix="distlab-submission-") as copy:
+            taken = student_copy_from_submission(args.submission, copy)
+            print(f"grading {len(taken)} submitted file(s): {', '.join(taken) or 'none'}")
+            results = grade(copy, args.out, "templates", args.tests, extra)
+            results["output"] = f"graded the submitted files: {', '.join(taken) or 'none'}"
+            Path(args.out).write_text(json.dumps(results, indent=2))
+    else:
+        results = grade(args.student_dir, args.out, args.impl, args.tests, extra)
+    print(f"\nscore {results['score']}/{results['max_score']}; wrote {args.out}")
     for t in results["tests"]:
-        print(f"  {t['name']:<40} {t['score']:>3}/{t['max_score']}")
+        print(f"  {t['name']:<45} {t['score']:>5}/{t['max_score']}")
     return 0
 
 

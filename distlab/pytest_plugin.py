@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections import OrderedDict
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,6 +31,9 @@ import pytest
 
 from distlab.loader import IMPL_ENV, IMPLS, STUDENT_DIR_ENV
 from distlab.todo import LearnerTODO
+
+REPO = Path(__file__).resolve().parent.parent
+WEIGHTS = REPO / "grading" / "weights.toml"
 
 
 def pytest_addoption(parser):
@@ -40,9 +44,9 @@ def pytest_addoption(parser):
                     help="grade the copy of the repository in DIR instead of this one")
     group.addoption("--results-json", default=None,
                     help="write per-exercise scores (Gradescope format) to this path")
+    group.addoption("--weights", default=str(WEIGHTS), help="points per exercise (TOML, [weights] table)")
 
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def pytest_configure(config):
@@ -114,38 +118,65 @@ def pytest_runtest_makereport(item, call):
         }
 
 
-def exercise_scores(results: dict) -> "OrderedDict[str, dict]":
+def load_weights(path: str | Path = WEIGHTS) -> dict[str, float]:
+    """Exercise name -> points, from grading/weights.toml (the table an instructor edits)."""
+    import tomllib
+
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    return {k: float(v) for k, v in tomllib.loads(path.read_text()).get("weights", {}).items()}
+
+
+def exercise_scores(results: dict, weights: dict[str, float] | None = None) -> "OrderedDict[str, dict]":
+    """Per exercise: tests passed/run (scaffold tests excluded), points = weight * passed / run."""
+    weights = load_weights() if weights is None else weights
     scores: OrderedDict[str, dict] = OrderedDict()
     for nodeid, r in results.items():
-        if r["outcome"] == "skipped":
+        if r["outcome"] == "skipped" or r.get("scaffold"):
             continue
-        s = scores.setdefault(r["exercise"], {"passed": 0, "total": 0, "failures": []})
+        s = scores.setdefault(r["exercise"], {"passed": 0, "total": 0, "failures": [], "seconds": 0.0})
         s["total"] += 1
+        s["seconds"] += r.get("duration_s", 0.0)
         if r["outcome"] == "passed":
             s["passed"] += 1
         else:
             s["failures"].append(f"{nodeid}: {r['message']}")
+    for name, s in scores.items():
+        s["weight"] = weights.get(name, 1.0)
+        s["points"] = round(s["weight"] * s["passed"] / s["total"], 2)
     return scores
+
+
+def gradescope_results(scores: "OrderedDict[str, dict]", results: dict, seconds: float) -> dict:
+    """Gradescope's results.json: one test per exercise, visible, with its failures as output."""
+    tests = [{"name": name, "score": s["points"], "max_score": s["weight"], "visibility": "visible",
+              "execution_time": round(s["seconds"], 1),
+              "output": "\n".join(s["failures"]) or f"all {s['total']} tests passed"}
+             for name, s in scores.items()]
+    return {"score": round(sum(t["score"] for t in tests), 2), "max_score": sum(t["max_score"] for t in tests),
+            "execution_time": round(seconds, 1), "visibility": "visible", "stdout_visibility": "visible",
+            "tests": tests, "per_test": results}
+
+
+def pytest_sessionstart(session):
+    session.config._distlab_start = time.monotonic()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     results = config._distlab_results
     if not results:
         return
-    scores = exercise_scores(results)
+    scores = exercise_scores(results, load_weights(config.getoption("--weights")))
     tr = terminalreporter
     tr.section(f"score per exercise (--impl {config.getoption('--impl')})")
     for name, s in scores.items():
-        todos = sorted(set(re.findall(r"TODO (\d+\.\d+)", "\n".join(s["failures"]))))
+        todos = sorted(set(re.findall(r"TODO (\d+\.\d+[a-z]?)", "\n".join(s["failures"]))))
         note = f"  <- unfinished: TODO {', '.join(todos)}" if todos else ""
-        tr.write_line(f"{name:<40} {s['passed']:>3}/{s['total']:<3}{note}")
+        tr.write_line(f"{name:<45} {s['passed']:>3}/{s['total']:<3} tests  {s['points']:>5.2f}/{s['weight']:g} points{note}")
     path = config.getoption("--results-json")
     if path:
-        tests = [{"name": name, "score": s["passed"], "max_score": s["total"],
-                  "output": "\n".join(s["failures"]) or "all tests passed"}
-                 for name, s in scores.items()]
-        payload = {"score": sum(t["score"] for t in tests), "tests": tests,
-                   "per_test": results}
+        seconds = time.monotonic() - getattr(config, "_distlab_start", time.monotonic())
         with open(path, "w") as f:
-            json.dump(payload, f, indent=2)
+            json.dump(gradescope_results(scores, results, seconds), f, indent=2)
         tr.write_line(f"wrote {path}")

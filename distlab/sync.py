@@ -63,6 +63,21 @@ def allreduce_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup
                 p.grad /= world_size
 
 
+def average_buffers(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Average the floating-point buffers (BatchNorm running statistics) over ``group``, in place.
+
+    Integer buffers (``num_batches_tracked``) advance identically on every rank and are left alone.
+    Collective: every rank of ``group`` must call it, with the same model structure.
+    Cost: one all-reduce per floating buffer; |floating buffers| bytes.
+    """
+    world_size = dist.get_world_size(group)
+    with torch.no_grad():
+        for b in module.buffers():
+            if b.is_floating_point():
+                dist.all_reduce(b, op=dist.ReduceOp.SUM, group=group)
+                b /= world_size
+
+
 class NoSyncMixin:
     """``no_sync()`` for a data-parallel wrapper whose hooks look at ``self.require_sync``.
 

@@ -1,3 +1,5 @@
+# Generated from solutions/phase2_advanced/activation_checkpointing.py by `python -m distlab.templates --write`.
+# Write your code inside the '--- TODO' regions, in place of their `raise todo(...)`.
 """Activation checkpointing: keep a block's input, recompute its insides during backward.
 
 Backward needs what forward computed: a Linear keeps its input, GELU its input,
@@ -18,18 +20,16 @@ No communication: checkpointing is per rank and composes with every parallelism
 in this course. See phase2_advanced/guidelines.md#activation-checkpointing
 (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost").
 
-Run: ``RUN_MODE=activation_checkpointing ./entrypoint.sh`` (TinyGPT, with and without).
+Run the demo: ``RUN_MODE=activation_checkpointing ./entrypoint.sh`` (TinyGPT, with and without;
+``IMPL=templates`` runs your template).
 """
 from __future__ import annotations
 
-import argparse
 import functools
-import time
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
-
 from distlab.todo import todo
 
 
@@ -48,13 +48,10 @@ class CheckpointFunction(torch.autograd.Function):
         device_type = args[0].device.type
         ctx.autocast = dict(device_type=device_type, enabled=torch.is_autocast_enabled(device_type),
                             dtype=torch.get_autocast_dtype(device_type))
-        # --- TODO 2.6: remember the RNG state, save only the inputs, run without a graph ---
-        # * if preserve_rng_state: ctx.cpu_rng_state = torch.get_rng_state();
-        #   ctx.cuda_devices = sorted indices of the CUDA devices among args (empty on CPU);
-        #   ctx.cuda_rng_states = [torch.cuda.get_rng_state(d) for d in ctx.cuda_devices];
-        # * ctx.save_for_backward(*args): the only activations this block keeps;
-        # * return run_function(*args) computed under torch.no_grad(), so nothing
-        #   inside the block is saved for backward.
+        # --- TODO 2.6: checkpoint forward ---
+        # Goal: keep only the inputs `args` for backward (nothing from inside the block),
+        # remember the RNG state(s) when preserve_rng_state so that the recomputation can
+        # replay dropout, and return run_function(*args) computed without building a graph.
         raise todo("2.6 checkpoint forward", "guidelines.md#activation-checkpointing")
         # --- end TODO 2.6 ---
 
@@ -63,17 +60,11 @@ class CheckpointFunction(torch.autograd.Function):
         # Fresh leaves: the recomputed graph must end here, not run on into the
         # graph before the block (that part is the outer backward's job).
         inputs = [a.detach().requires_grad_(a.requires_grad) for a in ctx.saved_tensors]
-        # --- TODO 2.7: recompute the block with the forward's RNG and autocast, then backward ---
-        # * inside torch.random.fork_rng(devices=<ctx.cuda_devices, or [] without
-        #   preserve_rng_state>, enabled=ctx.preserve_rng_state) (it restores the caller's
-        #   RNG on exit): if preserving, torch.set_rng_state(ctx.cpu_rng_state) and
-        #   torch.cuda.set_rng_state(state, device) for each saved CUDA state;
-        # * then, under torch.enable_grad() and torch.autocast(**ctx.autocast) (backward
-        #   runs outside the caller's autocast), outputs = ctx.run_function(*inputs);
-        # * make outputs a tuple; torch.autograd.backward(outputs, grad_outputs) (this
-        #   fills the parameters' .grad and each input's .grad);
-        # * return None for run_function and preserve_rng_state, then the inputs' .grad
-        #   (None for inputs that do not require grad).
+        # --- TODO 2.7: checkpoint backward ---
+        # Goal: rerun the block on `inputs` with the forward's random numbers and autocast
+        # state (and leave the caller's RNG as it was afterwards), backpropagate grad_outputs
+        # through that fresh graph, and return one gradient per forward argument: None for
+        # run_function and preserve_rng_state, then each input's (None if it needs none).
         raise todo("2.7 checkpoint backward", "guidelines.md#activation-checkpointing")
         # --- end TODO 2.7 ---
 
@@ -138,72 +129,3 @@ class SavedActivationMeter:
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
 
-
-# --------------------------------------------------------------------------- demo
-def main(argv: list[str] | None = None) -> None:
-    import torch.distributed as dist
-
-    from distlab.data import synthetic_tokens
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_bytes, format_table, log0, progress
-    from distlab.models import Block, GPTConfig, TinyGPT
-    from distlab.testing import shard
-
-    parser = argparse.ArgumentParser(description="Data-parallel TinyGPT with and without activation checkpointing.")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        if args.global_batch % env.world_size:
-            raise ValueError(f"--global-batch {args.global_batch} is not divisible by the world size {env.world_size}")
-        cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=args.n_layer, n_head=4, n_embd=64, dropout=0.1)
-        data = synthetic_tokens(n_seq=args.steps * args.global_batch, seq_len=32, vocab_size=64, seed=0)
-        # What one block saves for backward (its input included), measured on a spare block.
-        x = torch.randn(args.global_batch // env.world_size, cfg.block_size, cfg.n_embd, requires_grad=True)
-        block = Block(cfg)
-        with SavedActivationMeter(block.parameters()) as meter:
-            block(x)
-        block_bytes = meter.bytes
-        rows = []
-        for every in (0, 2, 1):  # 0: no checkpointing
-            torch.manual_seed(0)  # same weights and the same dropout masks in every run
-            model = TinyGPT(cfg).to(env.device)
-            wrapped = apply_activation_checkpointing(model.blocks, every) if every else 0
-            optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-            saved, start = 0, time.perf_counter()
-            for step in progress(range(args.steps), desc=f"checkpoint {wrapped}/{cfg.n_layer} blocks"):
-                x, y = (shard(t[step * args.global_batch:(step + 1) * args.global_batch], env.rank,
-                              env.world_size).to(env.device) for t in data.tensors)
-                optimizer.zero_grad(set_to_none=True)
-                with SavedActivationMeter(model.parameters()) as meter:
-                    _, loss = model(x, y)
-                saved = max(saved, meter.bytes)
-                loss.backward()
-                for p in model.parameters():  # Phase 1's gradient average
-                    dist.all_reduce(p.grad)
-                    p.grad /= env.world_size
-                optimizer.step()
-            elapsed = time.perf_counter() - start
-            dist.all_reduce(loss)
-            # While backward runs through a checkpointed block, that block's insides are
-            # alive again: the peak is the saved inputs plus one recomputed block.
-            peak = saved + (block_bytes if wrapped else 0)
-            rows.append({"checkpointed blocks": f"{wrapped}/{cfg.n_layer}",
-                         "saved fwd->bwd": format_bytes(saved), "vs none": f"{saved / (rows[0]['_saved'] if rows else saved):.0%}",
-                         "peak in bwd (est.)": format_bytes(peak), "_saved": saved,
-                         "final loss": f"{loss.item() / env.world_size:.4f}",
-                         "ms/step": f"{1000 * elapsed / args.steps:.0f}"})
-        for row in rows:
-            del row["_saved"]
-        log0(f"\nTinyGPT n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, T={cfg.block_size}, dropout {cfg.dropout}, "
-             f"{env.world_size} ranks, local batch {args.global_batch // env.world_size}, {args.steps} steps")
-        log0(format_table(rows))
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,3 +1,5 @@
+# Generated from solutions/phase2_advanced/mixed_precision.py by `python -m distlab.templates --write`.
+# Write your code inside the '--- TODO' regions, in place of their `raise todo(...)`.
 """Mixed precision: low-precision compute, fp32 master weights, a dynamic loss scaler.
 
 Matrix multiplies run in bf16 or fp16 (``torch.autocast`` casts each op's inputs),
@@ -21,19 +23,17 @@ pipeline parallelism), nor when a rank checks before communicating.
 Cost per step: the gradient all-reduce in fp32 (|params| x 4 bytes) + 4 bytes for
 the found-inf flag. See phase2_advanced/guidelines.md#mixed-precision.
 
-Run: ``RUN_MODE=mixed_precision ./entrypoint.sh`` (TinyGPT, fp32 vs bf16 vs fp16).
+Run the demo: ``RUN_MODE=mixed_precision ./entrypoint.sh`` (TinyGPT, fp32 vs bf16 vs fp16;
+``IMPL=templates`` runs your template).
 """
 from __future__ import annotations
 
-import argparse
 import math
-import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
 from distlab.todo import todo
 
 
@@ -100,14 +100,12 @@ class DynamicLossScaler:
         # GradScaler multiplies by a float32 reciprocal; for powers of two it is exact.
         inv_scale = _fp32(1.0 / self.scale_value)
         found = torch.zeros(1)
-        # --- TODO 2.3: unscale the gradients, look for inf/nan, agree with every rank ---
-        # * for every p in every optimizer.param_groups[i]["params"] with a gradient:
-        #   if not torch.isfinite(p.grad).all(), set found to 1; then p.grad.mul_(inv_scale)
-        #   (unscale even when inf is found: the step is skipped anyway, as GradScaler does);
-        # * if dist.is_initialized(): move `found` to _comm_device(self.group) and
-        #   all-reduce it with ReduceOp.MAX over self.group, so one rank's overflow makes
-        #   every rank skip;
-        # * self.found_inf = bool(found.item()).
+        # --- TODO 2.3: unscale and agree on overflow ---
+        # Goal: multiply every gradient of the optimizer's parameters by inv_scale, in place
+        # (even after an overflow, as GradScaler does), and set self.found_inf to whether any
+        # gradient on ANY rank of self.group held inf or nan (`found`: this rank's flag).
+        # Collective: when torch.distributed is initialised, every rank of self.group joins one
+        # 4-byte agreement; gloo reduces CPU tensors, NCCL CUDA ones (_comm_device).
         raise todo("2.3 unscale and agree on overflow", "guidelines.md#mixed-precision")
         # --- end TODO 2.3 ---
 
@@ -115,22 +113,20 @@ class DynamicLossScaler:
         """``optimizer.step()`` unless a gradient overflowed on some rank; returns whether it stepped."""
         if self.found_inf is None:
             self.unscale_(optimizer)
-        # --- TODO 2.4a: skip the step when some rank overflowed ---
-        # Return False if self.found_inf; otherwise optimizer.step() and return True.
-        raise todo("2.4 skip, back off, grow", "guidelines.md#mixed-precision")
+        # --- TODO 2.4a: skip the step on overflow ---
+        # Goal: step the optimizer only if no rank overflowed this step; return whether it stepped.
+        raise todo("2.4a skip the step on overflow", "guidelines.md#mixed-precision")
         # --- end TODO 2.4a ---
 
     def update(self) -> None:
         """Back off after an overflow, grow after ``growth_interval`` clean steps; start a new step."""
         if self.found_inf is None:
             raise RuntimeError("update() needs a step: call unscale_() or step() first")
-        # --- TODO 2.4b: back off after an overflow, grow after growth_interval clean steps ---
-        # * overflow: scale_value *= backoff_factor, growth_tracker = 0;
-        # * clean step: growth_tracker += 1; when it reaches growth_interval,
-        #   scale_value *= growth_factor (unless that would be inf) and growth_tracker = 0;
-        # * round every new scale with _fp32(...) (GradScaler keeps it in float32);
-        # * finally self.found_inf = None: the next step starts fresh.
-        raise todo("2.4 skip, back off, grow", "guidelines.md#mixed-precision")
+        # --- TODO 2.4b: back off or grow the scale ---
+        # Goal: adapt the scale as torch.amp.GradScaler does: shrink it after an overflow; grow
+        # it after growth_interval clean steps in a row (never to inf); keep every new scale a
+        # float32 value. Then forget this step's verdict, so the next step starts fresh.
+        raise todo("2.4b back off or grow the scale", "guidelines.md#mixed-precision")
         # --- end TODO 2.4b ---
 
 
@@ -159,11 +155,11 @@ def allreduce_gradients_fp32(model: nn.Module, group: dist.ProcessGroup | None =
     for p in model.parameters():
         if p.grad is None:
             continue
-        # --- TODO 2.5a: all-reduce p.grad in fp32 and average ---
-        # grad = p.grad if it is already float32, else p.grad.float() (a copy); all-reduce
-        # (SUM) it over `group`, divide by world_size, and copy it back into p.grad if it
-        # was a copy.
-        raise todo("2.5 mixed-precision data-parallel step", "guidelines.md#mixed-precision")
+        # --- TODO 2.5a: fp32 gradient all-reduce ---
+        # Goal: replace p.grad by its mean over the ranks of `group`, with the sum computed in
+        # fp32 even when p.grad is bf16/fp16 (p.grad keeps its own dtype).
+        # Collective: every rank reduces the same parameters, in the same order.
+        raise todo("2.5a fp32 gradient all-reduce", "guidelines.md#mixed-precision")
         # --- end TODO 2.5a ---
 
 
@@ -188,78 +184,15 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler,
     Cost: |params| x 4 bytes (fp32 gradient all-reduce) + the scaler's 4 bytes.
     """
     optimizer.zero_grad(set_to_none=True)
-    # --- TODO 2.5b: autocast forward, scaled backward, fp32 all-reduce, scaler step ---
-    # * forward and loss inside torch.autocast(device_type=inputs.device.type,
-    #   dtype=dtype, enabled=dtype != torch.float32); backward OUTSIDE it, on
-    #   scaler.scale(loss);
-    # * allreduce_gradients_fp32(model, group) (before unscaling is fine: the sum is linear);
-    # * scale = scaler.get_scale() (needed below), then scaler.step(optimizer), scaler.update().
-    raise todo("2.5 mixed-precision data-parallel step", "guidelines.md#mixed-precision")
+    # --- TODO 2.5b: mixed-precision data-parallel step ---
+    # Goal: forward and loss computed in `dtype` (autocast; off for float32), backward of the
+    # scaled loss, gradients averaged over `group` in fp32, then the scaler's step and update.
+    # Leave `loss` (the unscaled local loss) and `scale` (the scale before update) for the
+    # return line: a skipped step is one after which the scale backed off.
+    # Collective: every rank must call it (gradient all-reduce, the scaler's agreement).
+    raise todo("2.5b mixed-precision data-parallel step", "guidelines.md#mixed-precision")
     # --- end TODO 2.5b ---
     # The scale backs off exactly when the step was skipped (GradScaler.step returns
     # None either way, so ask the scale).
     return loss.detach(), scaler.get_scale() >= scale
 
-
-# --------------------------------------------------------------------------- demo
-def main(argv: list[str] | None = None) -> None:
-    from distlab.comm import CommLedger
-    from distlab.data import synthetic_tokens
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_bytes, format_table, log0, progress
-    from distlab.models import GPTConfig, TinyGPT
-    from distlab.testing import shard
-
-    parser = argparse.ArgumentParser(description="Mixed-precision data-parallel TinyGPT: fp32 vs bf16 vs fp16.")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--dtypes", default="float32,bfloat16,float16")
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        if args.global_batch % env.world_size:
-            raise ValueError(f"--global-batch {args.global_batch} is not divisible by the world size {env.world_size}")
-        cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64)
-        data = synthetic_tokens(n_seq=args.steps * args.global_batch, seq_len=32, vocab_size=64, seed=0)
-
-        def lm_loss(logits, targets):
-            return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-        rows, reference = [], None
-        for name in args.dtypes.split(","):
-            dtype = getattr(torch, name)
-            torch.manual_seed(0)  # same initial weights on every rank and for every dtype
-            model = TinyGPT(cfg).to(env.device)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-            # fp16 needs the scaler. Its first scale is deliberately too large (the
-            # gradient of the logits, S / (B*T), overflows fp16's 65504): watch it back off.
-            # fp32 and bf16 have fp32's exponent range: S = 1, never grown.
-            fp16 = dtype == torch.float16
-            scaler = DynamicLossScaler(init_scale=2.0 ** 20 if fp16 else 1.0, growth_interval=20 if fp16 else 10 ** 9)
-            skipped, ledger = 0, CommLedger()
-            start = time.perf_counter()
-            for step in progress(range(args.steps), desc=name):
-                x, y = (shard(t[step * args.global_batch:(step + 1) * args.global_batch], env.rank,
-                              env.world_size).to(env.device) for t in data.tensors)
-                with ledger:
-                    loss, stepped = train_step(model, optimizer, scaler, lm_loss, x, y, dtype=dtype)
-                skipped += not stepped
-            elapsed = time.perf_counter() - start
-            dist.all_reduce(loss)
-            final = loss.item() / env.world_size
-            reference = final if reference is None else reference  # the first dtype (float32)
-            rows.append({"compute dtype": name, "final loss": f"{final:.4f}", "vs float32": f"{final - reference:+.1e}",
-                         "skipped steps": skipped, "final scale": f"{scaler.get_scale():g}",
-                         "bytes all-reduced/step": format_bytes(ledger.bytes("all_reduce") / args.steps),
-                         "master weights": str(next(model.parameters()).dtype).replace("torch.", ""),
-                         "ms/step": f"{1000 * elapsed / args.steps:.0f}"})
-        log0(f"\nTinyGPT ({sum(p.numel() for p in model.parameters())} params), {env.world_size} ranks "
-             f"({env.backend}), global batch {args.global_batch}, {args.steps} steps; chance loss {math.log(64):.2f}")
-        log0(format_table(rows))
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,3 +1,5 @@
+# Generated from solutions/phase2_advanced/model_split.py by `python -m distlab.templates --write`.
+# Write your code inside the '--- TODO' regions, in place of their `raise todo(...)`.
 """Naive model parallelism: consecutive layers on consecutive ranks, one batch at a time.
 
 A model too big for one device is cut into p consecutive stages; rank s holds
@@ -18,18 +20,16 @@ Cost per step, per stage boundary: one activation forward and one gradient
 backward (batch x hidden x bytes each); memory per rank: 1/p of the parameters.
 See phase2_advanced/guidelines_model_parallel.md#naive-model-split.
 
-Run: ``RUN_MODE=model_split ./entrypoint.sh`` (an MLP on digits, one stage per rank).
+Run: ``RUN_MODE=model_split ./entrypoint.sh`` (an MLP on digits, one stage per rank;
+``IMPL=templates RUN_MODE=model_split ./entrypoint.sh`` runs your template).
 """
 from __future__ import annotations
 
-import argparse
-import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
 from distlab.todo import todo
 
 
@@ -52,16 +52,16 @@ def forward_stage(module: nn.Module, x: torch.Tensor | None, recv_shape: tuple[i
     Cost: stage s < p-1 sends its output once (|activation| bytes); stage s > 0 receives once.
     """
     stage, num_stages = dist.get_rank(group), dist.get_world_size(group)
-    # --- TODO 2.10: receive, compute, send ---
-    # 1. stage 0 uses x; any other stage receives its input from stage - 1 into
-    #    torch.empty(recv_shape, dtype=dtype, device=next(module.parameters()).device)
-    #    (dist.recv(buf, src=_peer(stage - 1, group), group=group)) and makes it
-    #    require grad: autograd stops at the process boundary, this leaf's .grad is
-    #    what backward must send back;
-    # 2. out = module(inp); every stage but the last sends out.detach() to stage + 1;
-    # 3. return (inp, out).
-    raise todo("2.10 model split forward", "phase2_advanced/guidelines_model_parallel.md#naive-model-split")
+    device = next(module.parameters()).device
+    buf = torch.empty(recv_shape, dtype=dtype, device=device) if stage > 0 else None
+    # --- TODO 2.10: model split forward ---
+    # Goal: return (inp, out): this stage's input and its layers' output. Stage 0's input
+    # is `x`; any other stage's comes from stage - 1 (into `buf`) and must let backward
+    # recover dL/d(input). Every stage but the last hands its output on to stage + 1.
+    # Contract: each send here is matched by the neighbour's recv (same shape and dtype).
+    raise todo("2.10 model split forward", "guidelines_model_parallel.md#naive-model-split")
     # --- end TODO 2.10 ---
+    return inp, out
 
 
 def backward_stage(inp: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
@@ -72,12 +72,13 @@ def backward_stage(inp: torch.Tensor, out: torch.Tensor, group: dist.ProcessGrou
     Cost: stage s > 0 sends dL/d(input) once; stage s < p-1 receives dL/d(output) once.
     """
     stage, num_stages = dist.get_rank(group), dist.get_world_size(group)
-    # --- TODO 2.11: receive dL/dout, backward, send dL/dinput ---
-    # 1. the last stage: out is the loss, out.backward();
-    #    the others: receive dL/d(out) from stage + 1 (torch.empty_like(out)), then
-    #    out.backward(grad) (backward of a non-scalar needs the upstream gradient);
-    # 2. every stage but the first sends inp.grad to stage - 1.
-    raise todo("2.11 model split backward", "phase2_advanced/guidelines_model_parallel.md#naive-model-split")
+    grad = torch.empty_like(out) if stage < num_stages - 1 else None  # dL/d(out), from stage + 1
+    # --- TODO 2.11: model split backward ---
+    # Goal: fill the .grad of this stage's parameters as the unsplit model's backward would.
+    # The last stage starts from its scalar loss; the others need dL/d(out) from stage + 1.
+    # Every stage but the first then owes stage - 1 the gradient of its own input.
+    # Contract: the mirror image of 2.10 (each send matched by the neighbour's recv).
+    raise todo("2.11 model split backward", "guidelines_model_parallel.md#naive-model-split")
     # --- end TODO 2.11 ---
 
 
@@ -96,51 +97,3 @@ def train_step(module: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Cal
     backward_stage(inp, out, group)
     optimizer.step()
     return out.item() if is_last else None
-
-
-# --------------------------------------------------------------------------- demo
-def main(argv: list[str] | None = None) -> None:
-    from distlab.comm import CommLedger
-    from distlab.data import digits
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_bytes, format_table, log0, progress
-
-    parser = argparse.ArgumentParser(description="An MLP split across ranks, one stage each, on digits.")
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--hidden", type=int, default=128)
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        p = env.world_size
-        x_all, y_all = digits("train", flatten=True).tensors
-        torch.manual_seed(0)  # every rank builds the whole model and keeps its stage
-        blocks = [nn.Sequential(nn.Linear(x_all.shape[1] if i == 0 else args.hidden, args.hidden), nn.ReLU())
-                  for i in range(p)]
-        head = nn.Linear(args.hidden, 10)
-        module = nn.Sequential(blocks[env.rank], *([head] if env.rank == p - 1 else [])).to(env.device)
-        opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
-        steps = x_all.shape[0] // args.batch
-        log0(f"model split: {p} stages, {sum(q.numel() for q in module.parameters())} parameters on rank 0")
-        ledger, loss, start = CommLedger(), None, time.perf_counter()
-        for epoch in range(args.epochs):
-            perm = torch.randperm(x_all.shape[0], generator=torch.Generator().manual_seed(epoch))
-            for i in progress(range(steps), desc=f"epoch {epoch}"):
-                idx = perm[i * args.batch:(i + 1) * args.batch]
-                ledger.reset()
-                with ledger:
-                    loss = train_step(module, opt, nn.functional.cross_entropy, x_all[idx].to(env.device),
-                                      y_all[idx].to(env.device), (args.batch, args.hidden), group=None)
-        elapsed = time.perf_counter() - start
-        last = [loss]
-        dist.broadcast_object_list(last, src=p - 1)
-        log0("\n" + format_table([{
-            "stages": p, "epochs": args.epochs, "final loss": f"{last[0]:.4f}",
-            "p2p sent/step (rank 0)": format_bytes(ledger.sent_bytes()),
-            "samples/s": f"{args.epochs * steps * args.batch / elapsed:.0f}"}]))
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()

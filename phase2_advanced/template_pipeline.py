@@ -1,3 +1,5 @@
+# Generated from solutions/phase2_advanced/pipeline.py by `python -m distlab.templates --write`.
+# Write your code inside the '--- TODO' regions, in place of their `raise todo(...)`.
 """Pipeline parallelism: GPipe and 1F1B schedules, built from send and recv.
 
 The model is cut into p consecutive stages, one per rank; the batch into m equal
@@ -20,12 +22,11 @@ Cost per step, per stage boundary: m activations sent forward and m activation
 gradients sent backward (micro-batch size x hidden x bytes each).
 See phase2_advanced/guidelines_model_parallel.md#pipeline-parallelism.
 
-Run: ``RUN_MODE=pipeline_gpipe ./entrypoint.sh`` or ``RUN_MODE=pipeline_1f1b ./entrypoint.sh``.
+Run: ``RUN_MODE=pipeline_gpipe ./entrypoint.sh``, ``RUN_MODE=pipeline_1f1b ./entrypoint.sh`` or
+``RUN_MODE=pipeline_interleaved ./entrypoint.sh`` (``IMPL=templates`` in front runs your template).
 """
 from __future__ import annotations
 
-import argparse
-import os
 import time
 from typing import Callable
 
@@ -33,14 +34,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from distlab.sync import check_divisible
 from distlab.todo import todo
 
 
 def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch.Tensor]:
     """``batch`` cut into ``num_microbatches`` equal micro-batches along dim 0."""
-    if num_microbatches < 1 or batch.shape[0] % num_microbatches:
-        raise ValueError(f"batch {batch.shape[0]} is not divisible into {num_microbatches} equal micro-batches "
-                         f"({batch.shape[0]} % {num_microbatches} = {batch.shape[0] % max(num_microbatches, 1)})")
+    check_divisible(batch.shape[0], num_microbatches, "batch", "the number of micro-batches")
     return list(batch.chunk(num_microbatches))
 
 
@@ -160,11 +160,13 @@ def gpipe(stage: PipelineStage, inputs: list, targets: list, loss_fn: Callable) 
     Collective: every stage of ``stage.group`` must run the same schedule with the same m.
     Cost: per stage boundary, m activations forward and m gradients backward.
     """
-    # --- TODO 2.12: GPipe: all forwards, then all backwards ---
-    # m = len(inputs); stage.forward_step(i, inputs[i], targets[i], loss_fn, m) for
-    # every micro-batch, then stage.backward_step(i) for every micro-batch, then
-    # stage.finish() (waits for the outstanding sends).
-    raise todo("2.12 GPipe schedule", "phase2_advanced/guidelines_model_parallel.md#gpipe")
+    m = len(inputs)
+    # --- TODO 2.12: GPipe schedule ---
+    # Goal: every one of the m micro-batches forward through this stage, and only then every
+    # backward, each in micro-batch order (the neighbours' messages arrive in that order).
+    # Contract: every stage runs this same sequence; the step ends once this stage's
+    # asynchronous sends are done (their buffers must live until then).
+    raise todo("2.12 GPipe schedule", "guidelines_model_parallel.md#gpipe")
     # --- end TODO 2.12 ---
 
 
@@ -174,13 +176,13 @@ def one_f_one_b(stage: PipelineStage, inputs: list, targets: list, loss_fn: Call
     Peak: min(p - s, m) micro-batches in flight on stage s (at most p).
     Equivalent to / Collective / Cost: as ``gpipe``.
     """
-    # --- TODO 2.13: 1F1B: warm-up, steady state, cool-down ---
-    # 1. warm-up: stage s runs min(p - s - 1, m) forwards (p = stage.num_stages,
-    #    s = stage.stage_id): the last stage none, the first p - 1;
-    # 2. steady state: for each remaining micro-batch, one forward (the next one),
-    #    then one backward (the oldest one in flight);
-    # 3. cool-down: the backwards still in flight, oldest first; then stage.finish().
-    raise todo("2.13 1F1B schedule", "phase2_advanced/guidelines_model_parallel.md#1f1b")
+    m, p, s = len(inputs), stage.num_stages, stage.stage_id
+    # --- TODO 2.13: 1F1B schedule ---
+    # Goal: the same m forwards and m backwards as GPipe, reordered so that stage s never
+    # holds more than min(p - s, m) micro-batches in flight: fill the pipeline just enough,
+    # then alternate forward and backward, then drain. Backwards stay in micro-batch order
+    # on every stage; the step ends once this stage's sends are done.
+    raise todo("2.13 1F1B schedule", "guidelines_model_parallel.md#1f1b")
     # --- end TODO 2.13 ---
 
 
@@ -195,19 +197,15 @@ def interleaved_1f1b(stage: PipelineStage, inputs: list, targets: list, loss_fn:
     Cost: per rank, v times the point-to-point messages of 1F1B (each v times smaller work).
     """
     p, v, s, m = stage.num_stages, stage.num_chunks, stage.stage_id, len(inputs)
-    if m % p:
-        raise ValueError(f"interleaved 1F1B needs micro-batches divisible by stages: {m} % {p} = {m % p}")
-    total = m * v
-
-    # --- TODO 2.14: interleaved 1F1B ---
-    # Each rank runs `total` = m*v forwards and m*v backwards, numbered k = 0, 1, ...
-    # 1. the k-th forward is chunk (k % (p*v)) // p of micro-batch (k // (p*v)) * p + k % p:
-    #    p micro-batches through chunk 0, the same p through chunk 1, ..., then the next p;
-    #    the k-th backward uses the same micro-batch but chunk v - 1 - that chunk;
-    # 2. warm-up = min(2*(p - s - 1) + (v - 1)*p, total) forwards; then one forward, one
-    #    backward; then the remaining backwards; then stage.finish().
-    # stage.forward_step(mb, inputs[mb], targets[mb], loss_fn, m, chunk) / stage.backward_step(mb, chunk).
-    raise todo("2.14 interleaved 1F1B schedule", "phase2_advanced/guidelines_model_parallel.md#interleaved-1f1b")
+    check_divisible(m, p, "interleaved 1F1B: the number of micro-batches", "the number of stages")
+    total = m * v  # (chunk, micro-batch) forwards on this rank, and as many backwards
+    # --- TODO 2.14: interleaved 1F1B schedule ---
+    # Goal: 1F1B over this rank's `total` (chunk, micro-batch) pairs. Forwards take p
+    # micro-batches through chunk 0, the same p through chunk 1, ..., then the next p; the
+    # k-th backward is the k-th forward's micro-batch with the chunks walked in reverse.
+    # As in 1F1B: warm-up forwards (as many as the docstring says), then one forward and
+    # one backward at a time, then the remaining backwards; wait for the sends at the end.
+    raise todo("2.14 interleaved 1F1B schedule", "guidelines_model_parallel.md#interleaved-1f1b")
     # --- end TODO 2.14 ---
 
 
@@ -238,7 +236,7 @@ def train_step(stage: PipelineStage, optimizer: torch.optim.Optimizer, schedule:
     return sum(stage.losses).item() if stage.is_last else None
 
 
-# --------------------------------------------------------------------------- demo
+# --------------------------------------------------------------------------- cutting a model
 def build_stage_module(stage_id: int, num_stages: int, in_features: int, hidden: int, num_classes: int,
                        layers_per_stage: int, seed: int = 0) -> nn.Sequential:
     """Stage ``stage_id``'s slice of one seeded MLP of ``num_stages * layers_per_stage`` blocks."""
@@ -254,74 +252,3 @@ def build_stage_module(stage_id: int, num_stages: int, in_features: int, hidden:
     if stage_id == num_stages - 1:
         mine = [*mine, layers[-1]]
     return nn.Sequential(*mine)
-
-
-def main(argv: list[str] | None = None) -> None:
-    from distlab.comm import CommLedger
-    from distlab.data import digits
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_bytes, format_table, log0, progress
-    from distlab.plots import plot_timeline
-
-    default = os.environ.get("RUN_MODE", "pipeline_1f1b").removeprefix("pipeline_")
-    parser = argparse.ArgumentParser(description="Pipeline-parallel MLP on digits, GPipe or 1F1B.")
-    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default=default if default in SCHEDULES else "1f1b")
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers-per-stage", type=int, default=2)
-    parser.add_argument("--chunks", type=int, default=2, help="model chunks per rank (interleaved only)")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--out-dir", default="runs")
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        p, m = env.world_size, args.microbatches
-        if m < p:
-            raise ValueError(f"--microbatches {m} < {p} stages: the pipeline would never fill")
-        data = digits("train", flatten=True)
-        x_all, y_all = data.tensors
-        v = args.chunks if args.schedule == "interleaved" else 1
-        chunks = [build_stage_module(c * p + env.rank, p * v, x_all.shape[1], args.hidden, 10,
-                                     args.layers_per_stage).to(env.device) for c in range(v)]
-        stage = PipelineStage(chunks if v > 1 else chunks[0], (args.batch // m, args.hidden), device=env.device)
-        opt = torch.optim.SGD([q for c in chunks for q in c.parameters()], lr=0.05, momentum=0.9)
-        loss_fn = nn.CrossEntropyLoss()
-        steps = x_all.shape[0] // args.batch
-        log0(f"pipeline ({args.schedule}): {p} stages, {m} micro-batches of {args.batch // m}, "
-             f"{steps} steps/epoch")
-        ledger, loss, bubbles = CommLedger(), None, []
-        for epoch in range(args.epochs):
-            perm = torch.randperm(x_all.shape[0], generator=torch.Generator().manual_seed(epoch))
-            for i in progress(range(steps), desc=f"epoch {epoch}"):
-                idx = perm[i * args.batch:(i + 1) * args.batch]
-                dist.barrier()  # a common start, so the timeline shows the bubble, not skew
-                with ledger:
-                    loss = train_step(stage, opt, args.schedule, x_all[idx].to(env.device),
-                                      y_all[idx].to(env.device), loss_fn, m)
-                ledger_step = ledger.sent_bytes()
-                ledger.reset()
-                events = [None] * p
-                dist.all_gather_object(events, stage.events)
-                bubbles.append(measured_bubble([e for evs in events for e in evs], p))
-        all_events = [e for evs in events for e in evs]
-        peaks = [None] * p
-        dist.all_gather_object(peaks, stage.peak_in_flight)
-        last_loss = [loss]
-        dist.broadcast_object_list(last_loss, src=p - 1)
-        if env.is_main:
-            path = plot_timeline(all_events, os.path.join(args.out_dir, f"pipeline_{args.schedule}_timeline.png"),
-                                 title=f"{args.schedule}: {p} stages x {v} chunks, {m} micro-batches (last step)")
-            bubbles.sort()
-            print("\n" + format_table([{
-                "schedule": args.schedule, "stages": p, "micro-batches": m, "final loss": f"{last_loss[0]:.4f}",
-                "bubble (measured, median)": f"{bubbles[len(bubbles) // 2]:.1%}",
-                "bubble (theory)": f"{theoretical_bubble(p, m, v):.1%}",
-                "peak in flight per stage": peaks, "p2p sent/step (rank 0)": format_bytes(ledger_step)}]))
-            print(f"timeline: {path}")
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()

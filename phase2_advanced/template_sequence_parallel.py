@@ -1,3 +1,5 @@
+# Generated from solutions/phase2_advanced/sequence_parallel.py by `python -m distlab.templates --write`.
+# Write your code inside the '--- TODO' regions, in place of their `raise todo(...)`.
 """Sequence parallelism (Korthikanti et al. 2022): split what tensor parallelism leaves replicated.
 
 In a tensor-parallel block, the LayerNorms, the residual adds and dropout run on the
@@ -24,6 +26,7 @@ Cost per block, per rank, forward and again backward: 2 all-gathers and 2
 reduce-scatters of B*T*d/W elements each (the same bytes as tensor parallelism's 2
 all-reduces); after backward, one all-reduce of the replicated parameters' gradients.
 See phase2_advanced/guidelines_model_parallel.md#sequence-parallelism.
+Run: ``NPROC=4 RUN_MODE=sequence_parallel ./entrypoint.sh`` (one block, both ways).
 """
 from __future__ import annotations
 
@@ -36,14 +39,9 @@ import torch.nn.functional as F
 
 from distlab.comm import all_gather_single, reduce_scatter_single
 from distlab.models import Block
+from distlab.sync import check_divisible
+from distlab.tp import mark_sharded, shard
 from distlab.todo import todo
-
-
-def _check_divisible(n: int, world_size: int, what: str) -> int:
-    if n % world_size:
-        raise ValueError(f"{what} {n} is not divisible by tensor-parallel size {world_size} "
-                         f"({n} = {n // world_size} * {world_size} + {n % world_size})")
-    return n // world_size
 
 
 def _all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
@@ -69,18 +67,19 @@ class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        # --- TODO 2.23: gather along the sequence ---
-        # Forward: every rank's (B, T/W, d) shard, concatenated along T (_all_gather_seq).
-        raise todo("2.23 sequence gather forward", "phase2_advanced/guidelines_model_parallel.md#sequence-parallelism")
-        # --- end TODO 2.23 ---
+        # --- TODO 2.23a: sequence gather forward ---
+        # Goal: every rank's (B, T/W, d) shard, concatenated along T in group-rank order.
+        # Collective: every rank of `group` calls it. (The dim-0 helpers above are written.)
+        raise todo("2.23a sequence gather forward", "guidelines_model_parallel.md#sequence-parallelism")
+        # --- end TODO 2.23a ---
 
     @staticmethod
     def backward(ctx, grad):
-        # --- TODO 2.23: its conjugate ---
-        # Each rank's gradient of the full sequence is partial (its heads / hidden slice).
-        # What does this rank's shard need? (_reduce_scatter_seq / _all_gather_seq are written.)
-        raise todo("2.23 sequence gather backward", "phase2_advanced/guidelines_model_parallel.md#sequence-parallelism")
-        # --- end TODO 2.23 ---
+        # --- TODO 2.23b: sequence gather backward ---
+        # The conjugate: each rank's gradient of the full sequence is partial (its heads or
+        # hidden slice). What does this rank's shard need? Return (gradient for x, None).
+        raise todo("2.23b sequence gather backward", "guidelines_model_parallel.md#sequence-parallelism")
+        # --- end TODO 2.23b ---
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -89,17 +88,19 @@ class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        # --- TODO 2.23: reduce-scatter along the sequence ---
-        # Forward: sum the ranks' partial (B, T, d) and keep this rank's T/W tokens.
-        raise todo("2.23 sequence reduce-scatter forward", "phase2_advanced/guidelines_model_parallel.md#sequence-parallelism")
-        # --- end TODO 2.23 ---
+        # --- TODO 2.23c: sequence reduce-scatter forward ---
+        # Goal: sum the ranks' partial (B, T, d) and keep only this rank's T/W tokens.
+        # Collective: every rank of `group` calls it.
+        raise todo("2.23c sequence reduce-scatter forward", "guidelines_model_parallel.md#sequence-parallelism")
+        # --- end TODO 2.23c ---
 
     @staticmethod
     def backward(ctx, grad):
-        # --- TODO 2.23: its conjugate ---
-        # Every rank's partial sum fed every token: what gradient does its input need?
-        raise todo("2.23 sequence reduce-scatter backward", "phase2_advanced/guidelines_model_parallel.md#sequence-parallelism")
-        # --- end TODO 2.23 ---
+        # --- TODO 2.23d: sequence reduce-scatter backward ---
+        # The conjugate: every rank's partial sum fed every token. What gradient does its
+        # input need? Return (gradient for x, None).
+        raise todo("2.23d sequence reduce-scatter backward", "guidelines_model_parallel.md#sequence-parallelism")
+        # --- end TODO 2.23d ---
 
 
 def gather_from_sequence_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -125,15 +126,12 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor, group: dist.ProcessGroup 
 # --------------------------------------------------------------------------- the block
 def _shard_linear(linear: nn.Linear, dim: int, group, keep_bias: bool = True) -> nn.Linear:
     """A copy of ``linear`` holding this rank's slice of the weight along ``dim`` (0: rows, 1: columns)."""
-    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    _check_divisible(linear.weight.shape[dim], world_size, "out_features" if dim == 0 else "in_features")
+    check_divisible(linear.weight.shape[dim], dist.get_world_size(group),
+                    "out_features" if dim == 0 else "in_features", "tensor-parallel size")
     out = copy.deepcopy(linear)
-    with torch.no_grad():
-        out.weight = nn.Parameter(linear.weight.detach().chunk(world_size, dim)[rank].clone())
-        out.weight.partition_dim = dim
-        if linear.bias is not None and dim == 0:
-            out.bias = nn.Parameter(linear.bias.detach().chunk(world_size, 0)[rank].clone())
-            out.bias.partition_dim = 0
+    out.weight = mark_sharded(nn.Parameter(shard(linear.weight, dim, group)), dim)
+    if linear.bias is not None and dim == 0:
+        out.bias = mark_sharded(nn.Parameter(shard(linear.bias, 0, group)), 0)
     return out
 
 
@@ -154,7 +152,7 @@ class SequenceParallelBlock(nn.Module):
         super().__init__()
         self.group = group
         world_size = dist.get_world_size(group)
-        self.local_heads = _check_divisible(block.attn.n_head, world_size, "n_head")
+        self.local_heads = check_divisible(block.attn.n_head, world_size, "n_head", "tensor-parallel size")
         self.head_dim = block.attn.head_dim
         self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
         self.attn, self.mlp = nn.Module(), nn.Module()
@@ -172,15 +170,13 @@ class SequenceParallelBlock(nn.Module):
         return y + proj.bias if proj.bias is not None else y  # once, after the sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # --- TODO 2.24: the sequence-parallel block ---
-        # x is (B, T/W, d). For attention and for the MLP:
-        # 1. LayerNorm on the shard, then gather_from_sequence_region -> (B, T, d);
-        # 2. the local heads (q, k, v: F.linear with this rank's rows; causal attention) or
-        #    the local hidden slice (fc, gelu);
-        # 3. self._row_out(y, proj): the row layer, reduce-scattered back to (B, T/W, d), bias once;
-        # 4. the residual add, on the shard.
-        raise todo("2.24 sequence-parallel block", "phase2_advanced/guidelines_model_parallel.md#sequence-parallelism")
-        # --- end TODO 2.24 ---
+        # --- TODO 2.24a: sequence-parallel block ---
+        # Goal: Block(x) for this rank's (B, T/W, d) tokens. LayerNorms and residuals run on the
+        # shard; attention (this rank's heads) and the MLP (its hidden slice) need every token,
+        # and their row layers' partial sums come back as this rank's shard (self._row_out).
+        # Per sub-layer: one gather in, one reduce-scatter out; nothing else communicates.
+        raise todo("2.24a sequence-parallel block", "guidelines_model_parallel.md#sequence-parallelism")
+        # --- end TODO 2.24a ---
 
 
 def allreduce_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
@@ -191,69 +187,9 @@ def allreduce_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGrou
     Collective: every rank of ``group`` must call it after backward.
     Cost: one all-reduce of |replicated parameters| bytes.
     """
-    # --- TODO 2.24: complete the replicated gradients ---
-    # Parameters marked p.sequence_parallel saw only this rank's tokens: sum their
-    # gradients over the group (a sum, not a mean: the full gradient sums over all tokens).
-    raise todo("2.24 sequence-parallel gradients", "phase2_advanced/guidelines_model_parallel.md#sequence-parallelism")
-    # --- end TODO 2.24 ---
-
-
-# --------------------------------------------------------------------------- demo
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    from distlab.comm import CommLedger
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_bytes, format_table, log0
-    from distlab.models import GPTConfig
-
-    parser = argparse.ArgumentParser(description="A sequence-parallel transformer block against the full block.")
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--n-embd", type=int, default=64)
-    parser.add_argument("--n-head", type=int, default=4)
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        W, rank = env.world_size, env.rank
-        _check_divisible(args.seq_len, W, "sequence length")
-        torch.manual_seed(0)  # every rank: the same full block and the same whole input
-        block = Block(GPTConfig(block_size=args.seq_len, n_head=args.n_head, n_embd=args.n_embd))
-        x = torch.randn(args.batch, args.seq_len, args.n_embd)
-        sp = SequenceParallelBlock(block)
-
-        def forward_counting_saved(fn):
-            saved = [0]
-
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                saved[0] += t.numel() * t.element_size()
-                return t
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                return fn(), saved[0]
-
-        full, full_saved = forward_counting_saved(lambda: block(x))
-        full.square().mean().backward()
-        mine = x.chunk(W, dim=1)[rank]
-        ledger = CommLedger()
-        with ledger:
-            out, sp_saved = forward_counting_saved(lambda: sp(mine))
-            (out.square().sum() / full.numel()).backward()  # the ranks' losses sum to the full mean
-            allreduce_sequence_parallel_grads(sp)
-        out_diff = (out - full.chunk(W, dim=1)[rank]).abs().max()
-        grad_diff = max((getattr(sp, n).weight.grad - getattr(block, n).weight.grad).abs().max() for n in ("ln1", "ln2"))
-        worst = torch.stack([out_diff, grad_diff]).detach()
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        log0(f"sequence parallel: one block, batch {args.batch} x {args.seq_len} tokens x {args.n_embd}, {W} ranks")
-        log0(format_table([
-            {"block": "full (one process)", "saved activations/rank": format_bytes(full_saved),
-             "sent/rank, fwd+bwd": "0 B", "max |diff|": "-"},
-            {"block": f"sequence parallel ({args.seq_len // W} tokens/rank)",
-             "saved activations/rank": format_bytes(sp_saved), "sent/rank, fwd+bwd": format_bytes(ledger.wire_bytes()),
-             "max |diff|": f"out {worst[0]:.1e}, LayerNorm grads {worst[1]:.1e}"}]))
-        log0(f"calls: {ledger.summary()}")
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()
+    # --- TODO 2.24b: sequence-parallel gradients ---
+    # Goal: each parameter marked `sequence_parallel` saw only this rank's tokens: make its
+    # gradient the one over all T tokens (a sum, not a mean). Leave every other gradient alone.
+    # Collective: every rank of `group` calls it, after backward.
+    raise todo("2.24b sequence-parallel gradients", "guidelines_model_parallel.md#sequence-parallelism")
+    # --- end TODO 2.24b ---

@@ -1,3 +1,5 @@
+# Generated from solutions/phase2_advanced/tp_dp_2d.py by `python -m distlab.templates --write`.
+# Write your code inside the '--- TODO' regions, in place of their `raise todo(...)`.
 """2D parallelism: data parallel x tensor parallel on a grid of ranks.
 
 W = dp_size * tp_size ranks form a grid. Each row is a tensor-parallel group (one
@@ -25,8 +27,6 @@ Run: ``NPROC=4 RUN_MODE=tp_dp_2d ./entrypoint.sh`` (TinyGPT; tp_size 2 by defaul
 """
 from __future__ import annotations
 
-import argparse
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from distlab.sync import allreduce_gradients, check_divisible
 from distlab.todo import todo
 
 
@@ -66,18 +67,13 @@ def build_grid(tp_size: int) -> RankGrid:
     Cost: one group creation per row and per column (setup only).
     """
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    if tp_size < 1 or world_size % tp_size:
-        raise ValueError(f"world size {world_size} is not divisible by tp_size {tp_size} "
-                         f"({world_size} = {world_size // max(tp_size, 1)} * {tp_size} + {world_size % max(tp_size, 1)})")
-    dp_size = world_size // tp_size
+    dp_size = check_divisible(world_size, tp_size, "world size", "tp_size")
     mine: dict[str, tuple] = {}  # "tp" / "dp" -> (this rank's group, its global ranks as a tuple)
-    # --- TODO 2.21: the rows and columns of the grid ---
-    # 1. the tp groups (rows): dp_size lists of tp_size neighbouring ranks, rank = d * tp_size + t;
-    #    the dp groups (columns): tp_size lists, the ranks with the same t;
-    # 2. dist.new_group(ranks) for EVERY group, on every rank, in the same order (it is
-    #    collective over the world: skipping the groups you are not in hangs or mixes them up);
-    # 3. keep the two that contain `rank`: mine['tp'] = (group, tuple(ranks)), and mine['dp'].
-    raise todo("2.21 rank grid", "phase2_advanced/guidelines_model_parallel.md#2d-parallelism")
+    # --- TODO 2.21: rank grid ---
+    # Goal: fill `mine` with this rank's row (its tp group: tp_size neighbouring ranks,
+    # rank = dp_rank * tp_size + tp_rank) and its column (its dp group: the ranks with the same
+    # tp_rank). Collective: creating a group involves the whole world, every group, every rank.
+    raise todo("2.21 rank grid", "guidelines_model_parallel.md#2d-parallelism")
     # --- end TODO 2.21 ---
     return RankGrid(rank=rank, world_size=world_size, tp_size=tp_size, dp_size=dp_size,
                     tp_rank=rank % tp_size, dp_rank=rank // tp_size,
@@ -94,11 +90,10 @@ def allreduce_dp_gradients(model: nn.Module, grid: RankGrid) -> None:
     Cost: one all-reduce of |local params with gradients| bytes over the dp group
     (|params|/tp_size for the sharded ones).
     """
-    # --- TODO 2.22: average the shard's gradients over the dp group ---
-    # Like Phase 1's allreduce_gradients, but over grid.dp_group and divided by grid.dp_size:
-    # the ranks of a dp group hold the same shard; the tp group must NOT be reduced (its
-    # ranks hold different shards, and TP already made their gradients whole).
-    raise todo("2.22 data-parallel gradient average", "phase2_advanced/guidelines_model_parallel.md#2d-parallelism")
+    # --- TODO 2.22: data-parallel gradient average ---
+    # Goal: every gradient of this rank's shard becomes its mean over the ranks that hold the
+    # SAME shard on other data, and only those. Collective: those ranks all call it.
+    raise todo("2.22 data-parallel gradient average", "guidelines_model_parallel.md#2d-parallelism")
     # --- end TODO 2.22 ---
 
 
@@ -110,9 +105,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     ``model`` is a tensor-parallel model built on ``grid.tp_group``; ``loss_fn(model, x, y)``
     returns the mean loss of a batch.
     """
-    if inputs.shape[0] % grid.dp_size:
-        raise ValueError(f"global batch {inputs.shape[0]} is not divisible by dp_size {grid.dp_size}")
-    per = inputs.shape[0] // grid.dp_size
+    per = check_divisible(inputs.shape[0], grid.dp_size, "global batch", "dp_size")
     rows = slice(grid.dp_rank * per, (grid.dp_rank + 1) * per)  # the same shard on the whole tp row
     optimizer.zero_grad(set_to_none=True)
     loss = loss_fn(model, inputs[rows], targets[rows])
@@ -120,58 +113,3 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     allreduce_dp_gradients(model, grid)
     optimizer.step()
     return loss.detach()
-
-
-# --------------------------------------------------------------------------- demo
-def main(argv: list[str] | None = None) -> None:
-    from distlab import load
-    from distlab.comm import CommLedger
-    from distlab.data import synthetic_tokens
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_bytes, format_table, log0, progress
-    from distlab.models import GPTConfig, TinyGPT
-
-    parser = argparse.ArgumentParser(description="TinyGPT, data parallel x tensor parallel.")
-    parser.add_argument("--tp-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        tp = load("phase2_advanced", "tensor_parallel")  # the layers of exercises 2.15-2.20
-        grid = build_grid(min(args.tp_size, env.world_size))
-        cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=64)
-        torch.manual_seed(0)  # every rank builds the same full model, then keeps its tp shard
-        reference = TinyGPT(cfg)
-        model = tp.ParallelGPT(reference, group=grid.tp_group).to(env.device)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-        ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr, weight_decay=0.0)
-        tokens, targets = synthetic_tokens(n_seq=args.global_batch * args.steps, seq_len=16, vocab_size=64).tensors
-        log0(f"2D: {env.world_size} ranks = dp {grid.dp_size} x tp {grid.tp_size}; "
-             f"rank 0's tp group {list(grid.tp_ranks)}, dp group {list(grid.dp_ranks)}")
-        ledger, elapsed = CommLedger(), 0.0
-        for step in progress(range(args.steps), desc="2D"):
-            x = tokens[step * args.global_batch:(step + 1) * args.global_batch]
-            y = targets[step * args.global_batch:(step + 1) * args.global_batch]
-            start = time.perf_counter()
-            with ledger:
-                loss = train_step(model, opt, lambda m, a, b: m(a, b)[1], x.to(env.device), y.to(env.device), grid)
-            elapsed += time.perf_counter() - start
-            ref_opt.zero_grad(set_to_none=True)
-            ref_loss = reference(x, y)[1]  # single process, whole global batch
-            ref_loss.backward()
-            ref_opt.step()
-        dist.all_reduce(loss, group=grid.dp_group)  # mean over replicas = the global batch's loss
-        log0("\n" + format_table([{
-            "ranks": env.world_size, "dp x tp": f"{grid.dp_size} x {grid.tp_size}", "steps": args.steps,
-            "loss (2D)": f"{loss.item() / grid.dp_size:.4f}", "loss (one process)": f"{ref_loss.item():.4f}",
-            "params/rank": sum(p.numel() for p in model.parameters()),
-            "all-reduced/step (rank 0)": format_bytes(ledger.bytes("all_reduce") / args.steps),
-            "steps/s": f"{args.steps / elapsed:.1f}"}]))
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,3 +1,5 @@
+# Generated from solutions/phase3_multi_node/allreduce_algorithms.py by `python -m distlab.templates --write`.
+# Write your code inside the '--- TODO' regions, in place of their `raise todo(...)`.
 """Two more all-reduce algorithms: recursive halving-doubling, and hierarchical (node-aware).
 
 * Recursive halving-doubling (Rabenseifner; Thakur, Rabenseifner & Gropp 2005):
@@ -73,15 +75,12 @@ def halving_doubling_allreduce(tensor: torch.Tensor, op: str = "sum",
         span = lambda lo, hi: (starts[lo], starts[hi])  # blocks [lo, hi) -> elements
         lo, hi = 0, p  # the blocks this rank is still responsible for
         buf = torch.empty(starts[max(1, p // 2)], dtype=flat.dtype, device=flat.device)  # the larger half
-        # --- TODO 3.5: recursive halving, then recursive doubling ---
-        # Halving (reduce-scatter): for distance = p/2, p/4, ..., 1, the partner is rank ^ distance.
-        # Split your block range [lo, hi) at mid; keep the lower half if rank & distance == 0,
-        # else the upper one; `exchange` the half you give away (flat[span(give)]) against the
-        # partner's copy of the half you keep (into buf[:size]), add it in, and set [lo, hi) to it.
-        # Afterwards [lo, hi) == [rank, rank + 1). For "avg", divide that block by world_size.
-        # Doubling (all-gather): for distance = 1, 2, ..., p/2, swap your range for the partner's
-        # adjacent range of the same size (above yours if rank & distance == 0, else below),
-        # received straight into place, and grow [lo, hi) to cover both.
+        # --- TODO 3.5: recursive halving-doubling ---
+        # Goal: all-reduce `flat` over ranks 0..p-1 in 2 log2(p) exchanges. Halving: at each
+        # distance, pair with the rank differing in that bit, keep half of your block range
+        # [lo, hi) and trade the other half for the partner's copy of yours, adding it in, until
+        # you own block `rank` alone ("avg": divide it there). Doubling: the same pairs in
+        # reverse, swapping whole owned ranges, received in place. Both partners call `exchange`.
         raise todo("3.5 recursive halving-doubling", "guidelines.md#recursive-halving-doubling")
         # --- end TODO 3.5 ---
         if rank + p < world_size:
@@ -144,10 +143,11 @@ def hierarchical_allreduce(tensor: torch.Tensor, groups: NodeGroups, op: str = "
     """
     check_reduce_op(op, tensor)
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
-    # --- TODO 3.6: reduce in the node, all-reduce across leaders, broadcast in the node ---
-    # dist.reduce(flat, group=groups.intra, group_dst=0) puts the node's sum on its leader
-    # (local rank 0); leaders only: dist.all_reduce(flat, group=groups.leaders), then divide
-    # by the world size for "avg"; finally dist.broadcast(flat, group=groups.intra, group_src=0).
+    # --- TODO 3.6: hierarchical all-reduce ---
+    # Goal: the world-wide all-reduce of `flat`, where only node leaders (local rank 0) talk
+    # across nodes: gather the node's sum on its leader, combine the leaders' sums among the
+    # leaders only ("avg": divide by the world size once), then give the result to the whole
+    # node. Use torch.distributed's built-ins on `groups.intra` and `groups.leaders`.
     raise todo("3.6 hierarchical all-reduce", "guidelines.md#hierarchical-all-reduce")
     # --- end TODO 3.6 ---
     if not tensor.is_contiguous():

@@ -1,3 +1,5 @@
+# Generated from solutions/phase3_multi_node/parameter_server.py by `python -m distlab.templates --write`.
+# Write your code inside the '--- TODO' regions, in place of their `raise todo(...)`.
 """A parameter server over point-to-point messages: sharded servers, workers, sync and async SGD.
 
 Ranks 0..S-1 are servers, ranks S..W-1 are workers. The model's parameters are
@@ -24,19 +26,18 @@ Cost per worker step: |params| bytes pushed and |params| pulled; a server moves
 2 K |shard| bytes per step: its network link is the bottleneck that sharding spreads.
 See phase3_multi_node/guidelines.md#parameter-server.
 
-Run: ``RUN_MODE=parameter_server ./entrypoint.sh`` (NPROC=3: one server, two workers, digits).
+Run the demo (sync, then async SGD on digits): ``NPROC=3 RUN_MODE=parameter_server
+./entrypoint.sh`` (one server, two workers); ``IMPL=templates NPROC=3 RUN_MODE=parameter_server
+./entrypoint.sh`` runs your template.
 """
 from __future__ import annotations
 
-import argparse
-import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
 from distlab.todo import todo
 
 PUSH, LEAVE = 0, 1  # worker -> server header kinds
@@ -73,12 +74,14 @@ def assign_shards(sizes: list[int], num_servers: int) -> list[int]:
     """
     if num_servers > len(sizes):
         raise ValueError(f"{num_servers} servers but only {len(sizes)} parameter tensors: a server would hold nothing")
-    # --- TODO 3.7: greedy sharding ---
-    # Visit the tensors from largest to smallest (ties: lower index first); give each to the
-    # server with the smallest load so far (ties: lowest server id); return owners[i] for
-    # every tensor i, in the original order.
+    loads, owners = [0] * num_servers, [0] * len(sizes)
+    # --- TODO 3.7: greedy parameter sharding ---
+    # Goal: fill owners[i] = the server of tensor i, balancing the servers' total sizes
+    # (`loads`) greedily: big tensors are placed first, each where the load is lowest so far.
+    # Deterministic on every rank: ties go to the lower tensor index and the lower server id.
     raise todo("3.7 greedy parameter sharding", "guidelines.md#sharding-the-parameters")
     # --- end TODO 3.7 ---
+    return owners
 
 
 def server_loads(sizes: list[int], owners: list[int], num_servers: int) -> list[int]:
@@ -139,20 +142,19 @@ def serve(shard: torch.Tensor, config: PSConfig, steps: int) -> dict:
         done[src] = step + 1
         held.add(src)
         if config.mode == "sync":
-            # --- TODO 3.8: synchronous update (server side) ---
-            # Keep a copy of this gradient in pending_sync[src] (grad is reused). Once every live
-            # worker has pushed (set(pending_sync) == alive): sum them in rank order, apply
-            # shard -= lr * total / len(workers) in place, clear pending_sync, reply(w, OK) to
-            # every held worker and empty `held`.
-            raise todo("3.8 synchronous parameter server", "guidelines.md#parameter-server")
-            # --- end TODO 3.8 ---
+            # --- TODO 3.8a: synchronous parameter server (server) ---
+            # Goal: collect one gradient of this step from every live worker (`grad` is reused
+            # for the next message), then apply their mean to `shard` once, in place and in a
+            # deterministic order, and only then let every held worker go on with an OK reply.
+            raise todo("3.8a synchronous parameter server (server)", "guidelines.md#synchronous-updates")
+            # --- end TODO 3.8a ---
             continue
         # Async: apply at once; release every held worker not more than `staleness` steps
         # ahead of the slowest live worker that still has steps to do.
-        # --- TODO 3.9a: asynchronous update ---
-        # Apply this gradient alone at once (lr / len(workers) each, in place), then
-        # held = _release(...) to let go every worker the staleness bound allows.
-        raise todo("3.9 asynchronous parameter server", "guidelines.md#asynchronous-updates-and-the-staleness-bound")
+        # --- TODO 3.9a: asynchronous parameter server (apply at once) ---
+        # Goal: apply this one gradient to `shard` at once, in place, with its share of the
+        # learning rate, then let go every held worker that the staleness bound allows.
+        raise todo("3.9a asynchronous parameter server (apply at once)", "guidelines.md#asynchronous-updates-and-the-staleness-bound")
         # --- end TODO 3.9a ---
     for work in replies:
         work.wait()
@@ -164,12 +166,14 @@ def _release(held: set, done: dict, alive: set, steps: int, staleness: int, repl
 
     Returns the workers still held. A finished worker never holds others back.
     """
-    # --- TODO 3.9b: the staleness bound ---
-    # slowest = the smallest done[w] over live workers with done[w] < steps (steps if none).
-    # For each held worker (in rank order): if done[w] - slowest <= staleness,
-    # reply(w, OK, lead=done[w] - slowest); otherwise keep it held. Return the set still held.
-    raise todo("3.9 asynchronous parameter server", "guidelines.md#asynchronous-updates-and-the-staleness-bound")
+    still_held: set = set()
+    # --- TODO 3.9b: asynchronous parameter server (staleness bound) ---
+    # Goal: measure each held worker's lead over the slowest live worker that still has steps
+    # to do (a finished worker holds nobody back); reply OK, with its lead, to every held worker
+    # within `staleness`, in rank order; the others, still waiting, go into `still_held`.
+    raise todo("3.9b asynchronous parameter server (staleness bound)", "guidelines.md#asynchronous-updates-and-the-staleness-bound")
     # --- end TODO 3.9b ---
+    return still_held
 
 
 def _abort(failed: int, step: int, alive: set, pushed: set, reply, header, grad, replies) -> dict:
@@ -226,12 +230,13 @@ def work(model: nn.Module, owners: list[int], config: PSConfig, steps: int,
             loss = loss_fn(model(x), y)
             loss.backward()
             losses.append(loss.item())
-            # --- TODO 3.8: push (worker side) ---
-            # To every server s: dist.send a header torch.tensor([PUSH, step]) with tag=_HEADER,
-            # then the packed gradients of the parameters it owns (_pack([p.grad for p in mine[s]]))
-            # with tag=_DATA. Then pull() the updated values.
-            raise todo("3.8 synchronous parameter server", "guidelines.md#parameter-server")
-            # --- end TODO 3.8 ---
+            # --- TODO 3.8b: synchronous parameter server (worker push) ---
+            # Goal: push this step's gradients: every server gets a header saying PUSH and the
+            # step, then the gradients of the parameters it owns, packed into one message. The
+            # header and data tags keep a header from any worker apart from data.
+            raise todo("3.8b synchronous parameter server (worker push)", "guidelines.md#synchronous-updates")
+            # --- end TODO 3.8b ---
+            pull()
             if on_pull is not None:
                 on_pull(step + 1, model)
     except JobAborted:
@@ -265,62 +270,3 @@ def parameter_server(model: nn.Module, config: PSConfig, steps: int, get_batch, 
         return {"role": "server", "load_bytes": server_loads(sizes, owners, config.num_servers)[rank],
                 "shard": shard, **stats}
     return {"role": "worker", "losses": work(model, owners, config, steps, get_batch, loss_fn, on_pull)}
-
-
-# --------------------------------------------------------------------------- demo
-def main(argv: list[str] | None = None) -> None:
-    import torch.nn.functional as F
-
-    from distlab.data import digits
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_bytes, format_table, log0
-    from distlab.models import ToyMLP, seeded
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--servers", type=int, default=1)
-    parser.add_argument("--staleness", type=int, default=2)
-    parser.add_argument("--per-worker-batch", type=int, default=32)
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        train, test = digits("train", flatten=True), digits("test", flatten=True)
-        rows = []
-        for mode, staleness in (("sync", 0), ("async", args.staleness)):
-            config = PSConfig(num_servers=args.servers, mode=mode, staleness=staleness, lr=0.2)
-            num_workers = env.world_size - config.num_servers
-
-            def get_batch(step, index, k):
-                order = torch.randperm(len(train), generator=torch.Generator().manual_seed(step))
-                idx = order[:args.per_worker_batch * k].tensor_split(k)[index]
-                return train.tensors[0][idx], train.tensors[1][idx]
-
-            model = seeded(ToyMLP, 0, 64, 64, 10)
-            start = time.perf_counter()
-            out = parameter_server(model, config, args.steps, get_batch, F.cross_entropy)
-            seconds = time.perf_counter() - start
-            results = [None] * env.world_size
-            if out["role"] == "worker":
-                with torch.no_grad():
-                    out["accuracy"] = (model(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean().item()
-                out["final_loss"] = sum(out["losses"][-10:]) / 10
-            out.pop("shard", None)
-            dist.all_gather_object(results, out)
-            servers = [r for r in results if r["role"] == "server"]
-            workers = [r for r in results if r["role"] == "worker"]
-            rows.append({"mode": f"{mode} (s={staleness})" if mode == "async" else mode,
-                         "servers x workers": f"{len(servers)} x {num_workers}",
-                         "final loss (worker mean)": f"{sum(w['final_loss'] for w in workers) / len(workers):.3f}",
-                         "test accuracy": f"{sum(w['accuracy'] for w in workers) / len(workers):.3f}",
-                         "max lead granted": max(s["max_ahead"] for s in servers),
-                         "server loads": " / ".join(format_bytes(s["load_bytes"]) for s in servers),
-                         "seconds": f"{seconds:.1f}"})
-            log0(f"{rows[-1]['mode']}: done in {seconds:.1f} s")
-        log0(f"\n== parameter server on digits, {args.steps} steps, ToyMLP(64, 64, 10) ==")
-        log0(format_table(rows))
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,3 +1,5 @@
+# Generated from solutions/phase3_multi_node/ring_allreduce.py by `python -m distlab.templates --write`.
+# Write your code inside the '--- TODO' regions, in place of their `raise todo(...)`.
 """Ring all-reduce from point-to-point messages: reduce-scatter, then all-gather.
 
 W ranks sit on a ring; each sends only to its right neighbour and receives only
@@ -20,12 +22,11 @@ cuts every chunk into slices and forwards each slice as soon as it has been adde
 so sending, receiving and adding overlap (as NCCL does).
 See phase3_multi_node/guidelines.md#ring-all-reduce.
 
-Run the demo: ``RUN_MODE=ring_allreduce ./entrypoint.sh`` (or ``torchrun
---nproc_per_node=4 -m solutions.phase3_multi_node.ring_allreduce``).
+Run the demo (checks, then a timing table against ``dist.all_reduce``):
+``RUN_MODE=ring_allreduce ./entrypoint.sh``; ``IMPL=templates RUN_MODE=ring_allreduce
+./entrypoint.sh`` runs your template.
 """
 from __future__ import annotations
-
-import argparse
 
 import torch
 import torch.distributed as dist
@@ -74,13 +75,13 @@ def _ring_reduce_scatter_(flat: torch.Tensor, group: dist.ProcessGroup | None = 
     (the other chunks hold partial sums)."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     bounds = chunk_bounds(flat.numel(), world_size)
-    incoming = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype, device=flat.device)
+    incoming = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype, device=flat.device)  # the largest chunk
     # --- TODO 3.1: ring reduce-scatter ---
-    # W-1 steps. At step s, rank r sends chunk (r - s - 1) % W (the one it finished adding
-    # last step; at step 0 its own data) to the right and receives chunk (r - s - 2) % W
-    # from the left into `incoming[:size]`, then adds it into flat[start:end] of that chunk.
-    # After the last step chunk r is the full sum. Use ring_exchange(send, recv, group), and
-    # bounds[c] = (start, end) of chunk c; chunks may be empty (ring_exchange skips them).
+    # Goal: after W-1 ring steps, chunk `rank` of `flat` holds that chunk summed over all ranks.
+    # At every step each rank passes one chunk to its right neighbour and adds the chunk that
+    # arrives from its left into its own copy; which chunk travels at which step is the lesson.
+    # Collective: all ranks of `group` step together, sending and receiving at once
+    # (`ring_exchange`); chunks may differ in size by one, or be empty.
     raise todo("3.1 ring reduce-scatter", "guidelines.md#ring-all-reduce")
     # --- end TODO 3.1 ---
 
@@ -91,9 +92,10 @@ def _ring_all_gather_(flat: torch.Tensor, group: dist.ProcessGroup | None = None
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     bounds = chunk_bounds(flat.numel(), world_size)
     # --- TODO 3.2: ring all-gather ---
-    # W-1 steps. At step s, rank r sends chunk (r - s) % W (its own first, then the one it
-    # received last step) to the right and receives chunk (r - s - 1) % W from the left,
-    # straight into its place in `flat` (no temporary, no arithmetic).
+    # Goal: chunk c starts final on rank c only; after W-1 ring steps every chunk is final on
+    # every rank. Each step forwards a chunk this rank already has to the right, and the chunk
+    # from the left lands straight in its place in `flat`: copies only, no arithmetic.
+    # Collective: all ranks of `group` step together (`ring_exchange`).
     raise todo("3.2 ring all-gather", "guidelines.md#ring-all-reduce")
     # --- end TODO 3.2 ---
 
@@ -159,11 +161,9 @@ def ring_allreduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGro
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     # Work in place when we can; a non-contiguous view needs a flat copy and a copy back.
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
-    # --- TODO 3.3: ring all-reduce = reduce-scatter + all-gather ---
-    # Reduce-scatter `flat` in place (_ring_reduce_scatter_), divide only this rank's
-    # finished chunk by world_size for "avg" (chunk_bounds(...)[rank]), then all-gather
-    # in place (_ring_all_gather_). Division before the all-gather means every rank
-    # ends with bitwise the same tensor.
+    # --- TODO 3.3: ring all-reduce ---
+    # Goal: all-reduce `flat` in place by composing 3.1 and 3.2. For "avg", divide so that
+    # each element is divided once and every rank ends bitwise equal (which chunk, and when?).
     raise todo("3.3 ring all-reduce", "guidelines.md#ring-all-reduce")
     # --- end TODO 3.3 ---
     if not tensor.is_contiguous():
@@ -199,66 +199,21 @@ def ring_allreduce_pipelined(tensor: torch.Tensor, op: str = "sum", group: dist.
     check_reduce_op(op, tensor)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
-    # --- TODO 3.4: pipelined ring ---
-    # Same schedule as 3.1 + 3.3, but in slices of `per = max(1, slice_bytes // element_size)`
-    # elements (_slices(start, end, per) lists them), never waiting for a whole step:
-    #   1. reduce-scatter step 0: isend every slice of chunk (r-1) % W to the right at once
-    #      (keep the Work objects in a list; wait for all sends at the very end).
-    #   2. reduce-scatter receives: the slices of chunk (r - s - 2) % W for s = 0..W-2, in that
-    #      order, all from the left with tag=_RS. Keep _WINDOW of them posted at once, each into
-    #      its own slot of `slots = torch.empty(window, per)`; re-post a slot as soon as it is used.
-    #   3. wait slice by slice: add it into `flat`, and isend that same slice to the right at
-    #      once (it is step s+1's data; in the last step it is final: divide for "avg" first,
-    #      and send it with tag=_AG: it is the all-gather's step 0).
-    #   4. all-gather: irecv (tag=_AG) every slice of chunk (r - s - 1) % W for each step s
-    #      straight into `flat`, posted BEFORE step 1 (gloo moves data only when both ends have
-    #      posted); wait in order and forward each slice (tag=_AG) except in the last step.
-    # W == 1: no communication; just divide for "avg".
+    bounds = chunk_bounds(flat.numel(), world_size)
+    # Elements per slice, never more than the largest chunk (the same slices, smaller slots).
+    per = max(1, min(slice_bytes // flat.element_size(), bounds[0][1] - bounds[0][0]))
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    # Reduce-scatter receive slots, one slice each, reused: few, small allocations (a fresh
+    # chunk-sized buffer per call would cost more in page faults than the adds).
+    slots = torch.empty(_WINDOW, per, dtype=flat.dtype, device=flat.device)
+    # --- TODO 3.4: pipelined ring all-reduce ---
+    # Goal: the result and the bytes of 3.3, but streamed: cut each chunk into slices of `per`
+    # elements and never wait for a whole step. A slice is added and sent on at once while the
+    # next ones are still on the wire; receives are posted ahead (up to _WINDOW in `slots`);
+    # the last reduce-scatter step's slices already start the all-gather. W == 1 works too.
+    # Collective: every rank of `group` calls it with the same shape, dtype and slice_bytes.
     raise todo("3.4 pipelined ring all-reduce", "guidelines.md#pipelining-the-ring")
     # --- end TODO 3.4 ---
     if not tensor.is_contiguous():
         tensor.copy_(flat.view(tensor.shape))
     return tensor
-
-
-# --------------------------------------------------------------------------- demo
-def main(argv: list[str] | None = None) -> None:
-    from benchmarks.common import median, time_repeats
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_bytes, format_table, log0
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[0.25, 4, 16])
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        torch.set_num_threads(1)  # one core per rank for the adds; gloo's I/O threads need the rest
-        W = env.world_size
-        contenders = {"ring": ring_allreduce, "ring pipelined": ring_allreduce_pipelined,
-                      "dist.all_reduce": lambda t: dist.all_reduce(t)}
-        # Correctness first: a size that does not divide by W, against the built-in.
-        for name, fn in contenders.items():
-            x = torch.randn(1001, generator=torch.Generator().manual_seed(env.rank)).to(env.device)
-            expected = x.clone()
-            dist.all_reduce(expected)
-            fn(x)
-            torch.testing.assert_close(x, expected)  # summation order differs: float32 rounding
-        log0(f"correct on {W} ranks: ring and pipelined ring match dist.all_reduce (1001 floats)")
-        rows = []
-        for mb in args.sizes_mb:
-            x = torch.randn(int(mb * (1 << 20)) // 4).to(env.device)
-            row = {"size": format_bytes(x.nbytes)}
-            for name, fn in contenders.items():
-                t = median(time_repeats(lambda: fn(x), args.repeats, sync=dist.barrier))
-                row[f"{name} ms"] = f"{t * 1e3:.2f}"
-                row[f"{name} busbw GB/s"] = f"{x.nbytes / t * 2 * (W - 1) / W / 1e9:.2f}"
-            rows.append(row)
-        log0(f"\n== all-reduce on {W} ranks ({env.backend}), median of {args.repeats} ==")
-        log0(format_table(rows))
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()

@@ -236,18 +236,19 @@ def test_grade_scores_a_student_copy_per_exercise(tmp_path):
     shutil.copy(REPO / "solutions/phase1_data_parallel/data_loader.py",
                 student / "phase1_data_parallel/template_data_loader.py")
     out = tmp_path / "results.json"
-    proc = subprocess.run([sys.executable, "-m", "distlab.grade", "--student-dir", str(student), "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "distlab.grade", f"--student-dir={student}", "--out", str(out),
                            "--tests", "tests/test_phase1.py", "--", "-k", "sampler or 1-mlp-sgd or 2-allreduce_allgather"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     results = json.loads(out.read_text())
     scores = {t["name"]: (t["score"], t["max_score"]) for t in results["tests"]}
-    assert scores["1.4-1.5 distributed sampler"] == (6, 6), scores
-    assert scores["1.6-1.8 naive data parallel"] == (0, 1), scores
-    assert scores["1.1-1.3 all-reduce three ways"] == (0, 1), scores
+    # Points from grading/weights.toml: the sampler's 2 in full, nothing for the rest.
+    assert scores["1.4-1.5 distributed sampler"] == (2, 2), scores
+    assert scores["1.6-1.8 naive data parallel"] == (0, 3), scores
+    assert scores["1.1-1.3 all-reduce three ways"] == (0, 3), scores
     by_name = {t["name"]: t for t in results["tests"]}
     assert "TODO 1.6" in by_name["1.6-1.8 naive data parallel"]["output"]
-    assert results["score"] == 6
+    assert results["score"] == 2 and results["max_score"] == 8
 
 
 # --------------------------------------------------------------------------- data
@@ -406,3 +407,34 @@ def test_launcher_filter_keeps_a_todo_to_one_line_and_any_other_failure_whole(co
     lines = out.getvalue().splitlines()
     assert lines[:2] == ["starting", "TODO 1.1 sum it: not implemented yet (see phase1_data_parallel/guidelines.md#x)"]
     assert (len(lines) == 2) == dropped, lines  # a rank that failed otherwise keeps torchrun's report
+
+
+def _worker_sync_helpers(rank, world_size):
+    from distlab.models import TinyCNN
+    from distlab.sync import allreduce_gradients, average_buffers, broadcast_module
+
+    torch.manual_seed(rank)  # every rank starts different
+    model = TinyCNN()
+    for b in model.buffers():
+        if b.is_floating_point():
+            b.fill_(float(rank))
+    broadcast_module(model, buffers=False)
+    average_buffers(model)
+    mean_rank = sum(range(world_size)) / world_size
+    for b in model.buffers():
+        if b.is_floating_point():
+            assert torch.equal(b, torch.full_like(b, mean_rank)), f"rank {rank}: buffer not averaged"
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float(rank + 1))
+    allreduce_gradients(model.parameters())
+    expected = sum(range(1, world_size + 1)) / world_size
+    assert all(torch.allclose(p.grad, torch.full_like(p, expected)) for p in model.parameters())
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_sync_helpers_match_their_definitions(world_size):
+    """distlab.sync: broadcast (parameters only), buffer and gradient means, as phase 1 defines them."""
+    results = run_distributed(_worker_sync_helpers, world_size)
+    for rank, params in enumerate(results):
+        assert all(torch.equal(a, b) for a, b in zip(params, results[0])), f"rank {rank} differs from rank 0"

@@ -3,6 +3,9 @@ and it must run with the instructor's configuration, never the student's."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +116,63 @@ def test_a_cheating_copy_scores_zero(tmp_path):
     assert results["score"] == 0 and results["tests"], results
     assert all("a template may use torch and distlab only" in r["message"] for r in results["per_test"].values()), \
         results["per_test"]
+
+
+def test_every_graded_exercise_has_a_weight():
+    from distlab.pytest_plugin import load_weights
+
+    named = set()
+    for f in REPO.glob("tests/test_phase*.py"):
+        named |= set(re.findall(r'pytest\.mark\.exercise\("([^"]+)"\)', f.read_text()))
+    missing = sorted(named - set(load_weights()))
+    assert not missing, f"add these exercises to grading/weights.toml: {missing}"
+
+
+def test_scores_are_weighted_and_scaffold_tests_do_not_count():
+    from distlab.pytest_plugin import exercise_scores
+
+    results = {"a": {"exercise": "1.1 x", "outcome": "passed", "scaffold": False, "message": ""},
+               "b": {"exercise": "1.1 x", "outcome": "failed", "scaffold": False, "message": "boom"},
+               "c": {"exercise": "1.1 x", "outcome": "passed", "scaffold": True, "message": ""},
+               "d": {"exercise": "1.2 y", "outcome": "passed", "scaffold": True, "message": ""}}
+    scores = exercise_scores(results, {"1.1 x": 3})
+    assert (scores["1.1 x"]["points"], scores["1.1 x"]["weight"], scores["1.1 x"]["total"]) == (1.5, 3, 2)
+    assert "1.2 y" not in scores  # only scaffold tests: nothing to score
+
+
+def test_run_autograder_grades_a_submission_of_template_files_only(tmp_path):
+    """Gradescope's entry point, dry-run: the student uploaded one finished template."""
+    root = tmp_path / "autograder"
+    (root / "submission" / "my files").mkdir(parents=True)
+    shutil.copy(REPO / "solutions/phase1_data_parallel/data_loader.py",
+                root / "submission" / "my files" / "template_data_loader.py")
+    env = {**os.environ, "AUTOGRADER": str(root), "SOURCE": str(REPO), "PYTHON": sys.executable,
+           "GRADE_ARGS": "--tests tests/test_phase1.py -- -k sampler"}
+    proc = subprocess.run([str(REPO / "grading/gradescope/run_autograder")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = json.loads((root / "results" / "results.json").read_text())
+    scores = {t["name"]: (t["score"], t["max_score"]) for t in results["tests"]}
+    assert scores["1.4-1.5 distributed sampler"] == (2, 2), scores
+    assert all(t["visibility"] == "visible" and "execution_time" in t for t in results["tests"])
+    assert "phase1_data_parallel/template_data_loader.py" in results["output"]
+
+
+def test_a_misnamed_submission_is_refused_by_name(tmp_path):
+    from distlab.grade import student_copy_from_submission
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "template_colectives.py").write_text("")
+    with pytest.raises(ValueError, match=r"template_colectives.py'\] match no template"):
+        student_copy_from_submission(tmp_path / "sub", tmp_path / "copy")
+
+
+def test_autograder_zip_has_its_scripts_at_the_top(tmp_path):
+    import zipfile
+
+    from distlab.grade import autograder_zip
+
+    with zipfile.ZipFile(autograder_zip(tmp_path / "autograder.zip")) as z:
+        names = set(z.namelist())
+        assert {"setup.sh", "run_autograder", "requirements.txt", "grading/weights.toml"} <= names
+        assert z.getinfo("run_autograder").external_attr >> 16 & 0o111

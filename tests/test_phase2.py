@@ -105,7 +105,7 @@ def _worker_no_sync(rank, world_size):
     with ledger, model.no_sync():
         _loss(model(xs), ys).backward()
     assert ledger.calls() == 0, f"rank {rank}: backward inside no_sync() communicated: {ledger.summary()}"
-    assert model.require_backward_grad_sync, f"rank {rank}: no_sync() must restore syncing on exit"
+    assert model.require_sync, f"rank {rank}: no_sync() must restore syncing on exit"
     # Inside no_sync the gradient is this rank's own: same ops, same order -> bitwise.
     _loss(baseline(xs), ys).backward()
     assert_grads_close(model.module, baseline, rank=rank, step="no_sync", rtol=0, atol=0)

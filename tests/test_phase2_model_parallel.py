@@ -10,6 +10,7 @@ all-reduce (tensor parallel at W = 2, 3, 4) or a missing 1/m (pipelines).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -63,8 +64,9 @@ def _all_reduce_calls(ledger: CommLedger) -> tuple[int, int]:
 
 
 # =========================================================================== 2.15-2.16 primitives
-def _worker_tp_primitives(rank, world_size):
-    tp = load(PHASE, "tensor_parallel")
+def _worker_tp_primitives(rank, world_size, bench=False):
+    # bench: distlab.tp, the reference copy that template_tensor_parallel.py builds on (2.17-2.20).
+    tp = importlib.import_module("distlab.tp") if bench else load(PHASE, "tp_primitives")
     W = world_size
     shape = (3, 4 * 3)  # last dim 12 divides by 1, 2, 3 and 4
     xs = [_randn(*shape, seed=10 + r) for r in range(W)]       # each rank's input
@@ -119,6 +121,12 @@ def _worker_tp_primitives(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3, 4])  # at W = 1 the wrappers return x untouched (scaffolding)
 def test_tp_primitives_match_single_process(world_size):
     run_distributed(_worker_tp_primitives, world_size)
+
+
+@pytest.mark.scaffold
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bench_tp_primitives_match_single_process(world_size):
+    run_distributed(_worker_tp_primitives, world_size, True)
 
 
 # =========================================================================== 2.17 column / row
@@ -376,7 +384,7 @@ def test_1f1b_matches_single_process(stages):
 @pytest.mark.scaffold
 def test_split_microbatches_rejects_uneven_batch():
     pp = load(PHASE, "pipeline")
-    with pytest.raises(ValueError, match="batch 10 is not divisible into 4 equal micro-batches"):
+    with pytest.raises(ValueError, match=r"batch 10 is not divisible by the number of micro-batches 4 \(10 = 2 \* 4 \+ 2\)"):
         pp.split_microbatches(torch.zeros(10, 2), 4)
     assert [t.shape[0] for t in pp.split_microbatches(torch.zeros(12, 2), 4)] == [3, 3, 3, 3]
     assert pp.theoretical_bubble(4, 12) == 3 / 15

@@ -14,27 +14,26 @@ k*b*W samples, provided that:
 
 Here the all-reduce is triggered by backward itself (a hook fires when a
 parameter's gradient is complete), as in PyTorch's DistributedDataParallel, so
-skipping it needs a switch: the ``no_sync()`` context, entered for every
-micro-batch but the last.
+skipping it needs a switch: the ``no_sync()`` context (``distlab.sync.NoSyncMixin``),
+entered for every micro-batch but the last.
 
 Cost per optimizer step: one all-reduce per parameter, |params| bytes in all,
 whatever k is. Activation memory scales with b, not k*b.
 See phase2_advanced/guidelines.md#gradient-accumulation.
 
-Run: ``RUN_MODE=data_parallel_naive_grad_accumulation ./entrypoint.sh`` (TinyCNN on digits).
+Run the demo: ``RUN_MODE=data_parallel_naive_grad_accumulation ./entrypoint.sh`` (TinyCNN on
+digits; ``IMPL=templates`` runs your template).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import time
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from solutions.phase1_data_parallel.trainer import broadcast_parameters, sync_buffers
+from distlab.sync import NoSyncMixin, average_buffers, broadcast_module
 
 
 def split_micro_batches(inputs: torch.Tensor, targets: torch.Tensor,
@@ -52,14 +51,15 @@ def split_micro_batches(inputs: torch.Tensor, targets: torch.Tensor,
     return list(zip(inputs.split(micro_batch_size), targets.split(micro_batch_size)))
 
 
-class AccumulatingDataParallel(nn.Module):
+class AccumulatingDataParallel(NoSyncMixin, nn.Module):
     """A replica whose backward averages gradients over the ranks, except inside ``no_sync()``.
 
     Wrap the model once; parameters and buffers are broadcast from the group's first
     rank. Every backward outside ``no_sync()`` all-reduces each gradient as soon as
     it is complete (a post-accumulate-grad hook), averaging whatever has
     accumulated in ``p.grad`` since the last ``zero_grad``: the sum of all the
-    micro-batches' contributions.
+    micro-batches' contributions. ``no_sync()`` (from ``NoSyncMixin``) sets
+    ``self.require_sync`` to False for the body of its ``with``.
 
     Args:
         module: the model (frozen parameters are left alone; a tied parameter is
@@ -77,32 +77,27 @@ class AccumulatingDataParallel(nn.Module):
         super().__init__()
         self.module = module
         self.group = group
-        self.require_backward_grad_sync = True
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        broadcast_parameters(module, src=src, group=group)
+        self.require_sync = True
+        broadcast_module(module, group)  # replicas start equal: |params| + |buffers| bytes once
         self._hooks = [p.register_post_accumulate_grad_hook(self._reduce_gradient)
                        for p in module.parameters() if p.requires_grad]
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside this context accumulate gradients locally and communicate nothing."""
-        previous = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = previous
-
     def _reduce_gradient(self, param: nn.Parameter) -> None:
         # Called by autograd once p.grad holds this backward's contribution added to
         # what earlier micro-batches left there, so one all-reduce covers them all.
-        if not self.require_backward_grad_sync:
+        # ### BEGIN SOLUTION 2.1: gradient hook that honours no_sync [guidelines.md#gradient-accumulation]
+        # Goal: outside no_sync() (self.require_sync is True), replace param.grad, in place,
+        # by its mean over the ranks of self.group; inside no_sync(), communicate nothing and
+        # leave the local sum where it is.
+        # Collective: every rank fires this hook for the same parameters, in the same backwards.
+        if not self.require_sync:
             return
         dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=self.group)  # |p| bytes
         param.grad /= dist.get_world_size(self.group)
+        # ### END SOLUTION 2.1
 
 
 def train_step(model: AccumulatingDataParallel, optimizer: torch.optim.Optimizer,
@@ -126,82 +121,17 @@ def train_step(model: AccumulatingDataParallel, optimizer: torch.optim.Optimizer
     total = torch.zeros((), device=inputs.device)
     for i, (x, y) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
-        # Weight by sample count: with sizes 4, 4, 2 the last micro-batch counts half as
-        # much as the others; a plain 1/k would over-weight its samples.
-        weight = x.shape[0] / n_local
+        # ### BEGIN SOLUTION 2.2: micro-batch loop [guidelines.md#gradient-accumulation]
+        # Goal: forward and backward micro-batch (x, y) so that after the loop p.grad holds the
+        # gradient of the mean loss over the rank's n_local samples (micro-batches may differ
+        # in size), and the ranks communicate only during the last micro-batch's backward.
+        # Add the micro-batch's share of that mean loss, detached, to `total`.
+        weight = x.shape[0] / n_local  # sizes 4, 4, 2: the last counts half; 1/k would over-weight it
         with contextlib.nullcontext() if last else model.no_sync():
             loss = loss_fn(model(x), y) * weight
             loss.backward()
         total += loss.detach()
+        # ### END SOLUTION 2.2
     optimizer.step()
-    sync_buffers(model.module, model.group)  # BatchNorm statistics: |float buffers| bytes
+    average_buffers(model.module, model.group)  # BatchNorm statistics: |float buffers| bytes
     return total
-
-
-# --------------------------------------------------------------------------- demo
-def main(argv: list[str] | None = None) -> None:
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    from distlab.comm import CommLedger
-    from distlab.data import digits, per_rank_batch
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_bytes, format_table, log0, progress
-    from distlab.models import TinyCNN
-
-    parser = argparse.ArgumentParser(description="Data-parallel TinyCNN on digits with gradient accumulation.")
-    parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--global-batch", type=int, default=64)
-    parser.add_argument("--micro-batch", type=int, default=8, help="samples per forward/backward on one rank")
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--image-size", type=int, default=16)
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        per_rank_batch(args.global_batch, env.world_size)  # a clear error if it does not divide
-        local_batch = args.global_batch // env.world_size
-        k = -(-local_batch // args.micro_batch)  # ceil: the last micro-batch may be smaller
-        train, test = digits("train", args.image_size), digits("test", args.image_size)
-        torch.manual_seed(0)
-        model = AccumulatingDataParallel(TinyCNN(num_classes=10).to(env.device))
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        loader = DataLoader(train, batch_size=local_batch, drop_last=True,
-                            sampler=DistributedSampler(train, env.world_size, env.rank, drop_last=True))
-        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
-        loss_fn = nn.CrossEntropyLoss()
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        log0(f"gradient accumulation: {env.world_size} ranks ({env.backend}), global batch {args.global_batch} "
-             f"= {env.world_size} ranks x {k} micro-batches of <= {args.micro_batch}, {len(loader)} steps/epoch")
-        ledger = CommLedger()
-        start, steps = time.perf_counter(), 0
-        for epoch in range(args.epochs):
-            loader.sampler.set_epoch(epoch)
-            bar = progress(loader, desc=f"epoch {epoch}")
-            for x, y in bar:
-                with ledger:  # every step: the counts below are per optimizer step, measured
-                    loss = train_step(model, optimizer, loss_fn, x.to(env.device), y.to(env.device),
-                                      args.micro_batch)
-                scheduler.step()
-                dist.all_reduce(loss)  # for display only
-                steps += 1
-                if hasattr(bar, "set_postfix"):
-                    bar.set_postfix(loss=f"{loss.item() / env.world_size:.3f}")
-        elapsed = time.perf_counter() - start
-        model.eval()
-        with torch.no_grad():  # the whole test set in one batch (360 small images)
-            x_test, y_test = (t.to(env.device) for t in test.tensors)
-            accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
-        grad_calls = ledger.calls("all_reduce") / steps - sum(1 for b in model.buffers() if b.is_floating_point())
-        grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
-        log0("\n" + format_table([{
-            "ranks": env.world_size, "global batch": args.global_batch, "micro-batch": args.micro_batch,
-            "micro-steps/step": k, "steps": steps,
-            "grad all-reduces/step": f"{grad_calls:.0f} (without no_sync: {k * len(trainable)})",
-            "grad bytes/step": f"{format_bytes(grad_bytes)} (without no_sync: {format_bytes(k * grad_bytes)})",
-            "final loss": f"{loss.item() / env.world_size:.4f}", "test accuracy": f"{accuracy:.1%}",
-            "samples/s": f"{steps * args.global_batch / elapsed:.0f}"}]))
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()

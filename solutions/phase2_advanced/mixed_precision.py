@@ -21,13 +21,12 @@ pipeline parallelism), nor when a rank checks before communicating.
 Cost per step: the gradient all-reduce in fp32 (|params| x 4 bytes) + 4 bytes for
 the found-inf flag. See phase2_advanced/guidelines.md#mixed-precision.
 
-Run: ``RUN_MODE=mixed_precision ./entrypoint.sh`` (TinyGPT, fp32 vs bf16 vs fp16).
+Run the demo: ``RUN_MODE=mixed_precision ./entrypoint.sh`` (TinyGPT, fp32 vs bf16 vs fp16;
+``IMPL=templates`` runs your template).
 """
 from __future__ import annotations
 
-import argparse
 import math
-import time
 from typing import Callable
 
 import torch
@@ -98,6 +97,12 @@ class DynamicLossScaler:
         # GradScaler multiplies by a float32 reciprocal; for powers of two it is exact.
         inv_scale = _fp32(1.0 / self.scale_value)
         found = torch.zeros(1)
+        # ### BEGIN SOLUTION 2.3: unscale and agree on overflow [guidelines.md#mixed-precision]
+        # Goal: multiply every gradient of the optimizer's parameters by inv_scale, in place
+        # (even after an overflow, as GradScaler does), and set self.found_inf to whether any
+        # gradient on ANY rank of self.group held inf or nan (`found`: this rank's flag).
+        # Collective: when torch.distributed is initialised, every rank of self.group joins one
+        # 4-byte agreement; gloo reduces CPU tensors, NCCL CUDA ones (_comm_device).
         for param_group in optimizer.param_groups:
             for p in param_group["params"]:
                 if p.grad is None:
@@ -110,20 +115,28 @@ class DynamicLossScaler:
             found = found.to(_comm_device(self.group))
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
         self.found_inf = bool(found.item())
+        # ### END SOLUTION 2.3
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """``optimizer.step()`` unless a gradient overflowed on some rank; returns whether it stepped."""
         if self.found_inf is None:
             self.unscale_(optimizer)
+        # ### BEGIN SOLUTION 2.4a: skip the step on overflow [guidelines.md#mixed-precision]
+        # Goal: step the optimizer only if no rank overflowed this step; return whether it stepped.
         if self.found_inf:
             return False
         optimizer.step()
         return True
+        # ### END SOLUTION 2.4a
 
     def update(self) -> None:
         """Back off after an overflow, grow after ``growth_interval`` clean steps; start a new step."""
         if self.found_inf is None:
             raise RuntimeError("update() needs a step: call unscale_() or step() first")
+        # ### BEGIN SOLUTION 2.4b: back off or grow the scale [guidelines.md#mixed-precision]
+        # Goal: adapt the scale as torch.amp.GradScaler does: shrink it after an overflow; grow
+        # it after growth_interval clean steps in a row (never to inf); keep every new scale a
+        # float32 value. Then forget this step's verdict, so the next step starts fresh.
         if self.found_inf:
             self.scale_value = _fp32(self.scale_value * self.backoff_factor)
             self.growth_tracker = 0
@@ -135,6 +148,7 @@ class DynamicLossScaler:
                     self.scale_value = grown
                 self.growth_tracker = 0
         self.found_inf = None
+        # ### END SOLUTION 2.4b
 
 
 def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -162,11 +176,16 @@ def allreduce_gradients_fp32(model: nn.Module, group: dist.ProcessGroup | None =
     for p in model.parameters():
         if p.grad is None:
             continue
+        # ### BEGIN SOLUTION 2.5a: fp32 gradient all-reduce [guidelines.md#mixed-precision]
+        # Goal: replace p.grad by its mean over the ranks of `group`, with the sum computed in
+        # fp32 even when p.grad is bf16/fp16 (p.grad keeps its own dtype).
+        # Collective: every rank reduces the same parameters, in the same order.
         grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
         grad /= world_size
         if grad is not p.grad:
             p.grad.copy_(grad)
+        # ### END SOLUTION 2.5a
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler,
@@ -190,6 +209,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler,
     Cost: |params| x 4 bytes (fp32 gradient all-reduce) + the scaler's 4 bytes.
     """
     optimizer.zero_grad(set_to_none=True)
+    # ### BEGIN SOLUTION 2.5b: mixed-precision data-parallel step [guidelines.md#mixed-precision]
+    # Goal: forward and loss computed in `dtype` (autocast; off for float32), backward of the
+    # scaled loss, gradients averaged over `group` in fp32, then the scaler's step and update.
+    # Leave `loss` (the unscaled local loss) and `scale` (the scale before update) for the
+    # return line: a skipped step is one after which the scale backed off.
+    # Collective: every rank must call it (gradient all-reduce, the scaler's agreement).
     with torch.autocast(device_type=inputs.device.type, dtype=dtype, enabled=dtype != torch.float32):
         loss = loss_fn(model(inputs), targets)  # matmuls in `dtype`; the loss itself in fp32
     scaler.scale(loss).backward()  # fp32 gradients, S times too large
@@ -197,70 +222,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler,
     scale = scaler.get_scale()
     scaler.step(optimizer)  # unscale_, agree on inf/nan, step or skip
     scaler.update()
+    # ### END SOLUTION 2.5b
     # The scale backs off exactly when the step was skipped (GradScaler.step returns
     # None either way, so ask the scale).
     return loss.detach(), scaler.get_scale() >= scale
 
-
-# --------------------------------------------------------------------------- demo
-def main(argv: list[str] | None = None) -> None:
-    from distlab.comm import CommLedger
-    from distlab.data import synthetic_tokens
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_bytes, format_table, log0, progress
-    from distlab.models import GPTConfig, TinyGPT
-    from distlab.testing import shard
-
-    parser = argparse.ArgumentParser(description="Mixed-precision data-parallel TinyGPT: fp32 vs bf16 vs fp16.")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--dtypes", default="float32,bfloat16,float16")
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        if args.global_batch % env.world_size:
-            raise ValueError(f"--global-batch {args.global_batch} is not divisible by the world size {env.world_size}")
-        cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64)
-        data = synthetic_tokens(n_seq=args.steps * args.global_batch, seq_len=32, vocab_size=64, seed=0)
-
-        def lm_loss(logits, targets):
-            return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-        rows, reference = [], None
-        for name in args.dtypes.split(","):
-            dtype = getattr(torch, name)
-            torch.manual_seed(0)  # same initial weights on every rank and for every dtype
-            model = TinyGPT(cfg).to(env.device)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-            # fp16 needs the scaler. Its first scale is deliberately too large (the
-            # gradient of the logits, S / (B*T), overflows fp16's 65504): watch it back off.
-            # fp32 and bf16 have fp32's exponent range: S = 1, never grown.
-            fp16 = dtype == torch.float16
-            scaler = DynamicLossScaler(init_scale=2.0 ** 20 if fp16 else 1.0, growth_interval=20 if fp16 else 10 ** 9)
-            skipped, ledger = 0, CommLedger()
-            start = time.perf_counter()
-            for step in progress(range(args.steps), desc=name):
-                x, y = (shard(t[step * args.global_batch:(step + 1) * args.global_batch], env.rank,
-                              env.world_size).to(env.device) for t in data.tensors)
-                with ledger:
-                    loss, stepped = train_step(model, optimizer, scaler, lm_loss, x, y, dtype=dtype)
-                skipped += not stepped
-            elapsed = time.perf_counter() - start
-            dist.all_reduce(loss)
-            final = loss.item() / env.world_size
-            reference = final if reference is None else reference  # the first dtype (float32)
-            rows.append({"compute dtype": name, "final loss": f"{final:.4f}", "vs float32": f"{final - reference:+.1e}",
-                         "skipped steps": skipped, "final scale": f"{scaler.get_scale():g}",
-                         "bytes all-reduced/step": format_bytes(ledger.bytes("all_reduce") / args.steps),
-                         "master weights": str(next(model.parameters()).dtype).replace("torch.", ""),
-                         "ms/step": f"{1000 * elapsed / args.steps:.0f}"})
-        log0(f"\nTinyGPT ({sum(p.numel() for p in model.parameters())} params), {env.world_size} ranks "
-             f"({env.backend}), global batch {args.global_batch}, {args.steps} steps; chance loss {math.log(64):.2f}")
-        log0(format_table(rows))
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()

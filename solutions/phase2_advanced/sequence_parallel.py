@@ -24,6 +24,7 @@ Cost per block, per rank, forward and again backward: 2 all-gathers and 2
 reduce-scatters of B*T*d/W elements each (the same bytes as tensor parallelism's 2
 all-reduces); after backward, one all-reduce of the replicated parameters' gradients.
 See phase2_advanced/guidelines_model_parallel.md#sequence-parallelism.
+Run: ``NPROC=4 RUN_MODE=sequence_parallel ./entrypoint.sh`` (one block, both ways).
 """
 from __future__ import annotations
 
@@ -36,13 +37,8 @@ import torch.nn.functional as F
 
 from distlab.comm import all_gather_single, reduce_scatter_single
 from distlab.models import Block
-
-
-def _check_divisible(n: int, world_size: int, what: str) -> int:
-    if n % world_size:
-        raise ValueError(f"{what} {n} is not divisible by tensor-parallel size {world_size} "
-                         f"({n} = {n // world_size} * {world_size} + {n % world_size})")
-    return n // world_size
+from distlab.sync import check_divisible
+from distlab.tp import mark_sharded, shard
 
 
 def _all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
@@ -68,13 +64,19 @@ class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
+        # ### BEGIN SOLUTION 2.23a: sequence gather forward [guidelines_model_parallel.md#sequence-parallelism]
+        # Goal: every rank's (B, T/W, d) shard, concatenated along T in group-rank order.
+        # Collective: every rank of `group` calls it. (The dim-0 helpers above are written.)
         return _all_gather_seq(x, group)
+        # ### END SOLUTION 2.23a
 
     @staticmethod
     def backward(ctx, grad):
-        # Each rank's dL/d(full sequence) covers only its heads / hidden slice: sum
-        # them, and keep the rows of this rank's tokens.
-        return _reduce_scatter_seq(grad, ctx.group), None
+        # ### BEGIN SOLUTION 2.23b: sequence gather backward [guidelines_model_parallel.md#sequence-parallelism]
+        # The conjugate: each rank's gradient of the full sequence is partial (its heads or
+        # hidden slice). What does this rank's shard need? Return (gradient for x, None).
+        return _reduce_scatter_seq(grad, ctx.group), None  # sum the partials, keep this rank's tokens
+        # ### END SOLUTION 2.23b
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -83,12 +85,19 @@ class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
+        # ### BEGIN SOLUTION 2.23c: sequence reduce-scatter forward [guidelines_model_parallel.md#sequence-parallelism]
+        # Goal: sum the ranks' partial (B, T, d) and keep only this rank's T/W tokens.
+        # Collective: every rank of `group` calls it.
         return _reduce_scatter_seq(x, group)
+        # ### END SOLUTION 2.23c
 
     @staticmethod
     def backward(ctx, grad):
-        # Every rank's partial sum fed every token: each needs the gradient of all of them.
-        return _all_gather_seq(grad, ctx.group), None
+        # ### BEGIN SOLUTION 2.23d: sequence reduce-scatter backward [guidelines_model_parallel.md#sequence-parallelism]
+        # The conjugate: every rank's partial sum fed every token. What gradient does its
+        # input need? Return (gradient for x, None).
+        return _all_gather_seq(grad, ctx.group), None  # each input fed all T tokens' sums
+        # ### END SOLUTION 2.23d
 
 
 def gather_from_sequence_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -114,15 +123,12 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor, group: dist.ProcessGroup 
 # --------------------------------------------------------------------------- the block
 def _shard_linear(linear: nn.Linear, dim: int, group, keep_bias: bool = True) -> nn.Linear:
     """A copy of ``linear`` holding this rank's slice of the weight along ``dim`` (0: rows, 1: columns)."""
-    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    _check_divisible(linear.weight.shape[dim], world_size, "out_features" if dim == 0 else "in_features")
+    check_divisible(linear.weight.shape[dim], dist.get_world_size(group),
+                    "out_features" if dim == 0 else "in_features", "tensor-parallel size")
     out = copy.deepcopy(linear)
-    with torch.no_grad():
-        out.weight = nn.Parameter(linear.weight.detach().chunk(world_size, dim)[rank].clone())
-        out.weight.partition_dim = dim
-        if linear.bias is not None and dim == 0:
-            out.bias = nn.Parameter(linear.bias.detach().chunk(world_size, 0)[rank].clone())
-            out.bias.partition_dim = 0
+    out.weight = mark_sharded(nn.Parameter(shard(linear.weight, dim, group)), dim)
+    if linear.bias is not None and dim == 0:
+        out.bias = mark_sharded(nn.Parameter(shard(linear.bias, 0, group)), 0)
     return out
 
 
@@ -143,7 +149,7 @@ class SequenceParallelBlock(nn.Module):
         super().__init__()
         self.group = group
         world_size = dist.get_world_size(group)
-        self.local_heads = _check_divisible(block.attn.n_head, world_size, "n_head")
+        self.local_heads = check_divisible(block.attn.n_head, world_size, "n_head", "tensor-parallel size")
         self.head_dim = block.attn.head_dim
         self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
         self.attn, self.mlp = nn.Module(), nn.Module()
@@ -161,6 +167,11 @@ class SequenceParallelBlock(nn.Module):
         return y + proj.bias if proj.bias is not None else y  # once, after the sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # ### BEGIN SOLUTION 2.24a: sequence-parallel block [guidelines_model_parallel.md#sequence-parallelism]
+        # Goal: Block(x) for this rank's (B, T/W, d) tokens. LayerNorms and residuals run on the
+        # shard; attention (this rank's heads) and the MLP (its hidden slice) need every token,
+        # and their row layers' partial sums come back as this rank's shard (self._row_out).
+        # Per sub-layer: one gather in, one reduce-scatter out; nothing else communicates.
         B = x.shape[0]
         h = gather_from_sequence_region(self.ln1(x), self.group)  # (B, T, d): attention needs every token
         T = h.shape[1]
@@ -170,6 +181,7 @@ class SequenceParallelBlock(nn.Module):
         x = x + self._row_out(y, self.attn.proj)
         h = gather_from_sequence_region(self.ln2(x), self.group)
         return x + self._row_out(F.gelu(F.linear(h, self.mlp.fc.weight, self.mlp.fc.bias)), self.mlp.proj)
+        # ### END SOLUTION 2.24a
 
 
 def allreduce_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
@@ -180,67 +192,11 @@ def allreduce_sequence_parallel_grads(module: nn.Module, group: dist.ProcessGrou
     Collective: every rank of ``group`` must call it after backward.
     Cost: one all-reduce of |replicated parameters| bytes.
     """
+    # ### BEGIN SOLUTION 2.24b: sequence-parallel gradients [guidelines_model_parallel.md#sequence-parallelism]
+    # Goal: each parameter marked `sequence_parallel` saw only this rank's tokens: make its
+    # gradient the one over all T tokens (a sum, not a mean). Leave every other gradient alone.
+    # Collective: every rank of `group` calls it, after backward.
     for p in module.parameters():
         if getattr(p, "sequence_parallel", False) and p.grad is not None:
             dist.all_reduce(p.grad, group=group)
-
-
-# --------------------------------------------------------------------------- demo
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    from distlab.comm import CommLedger
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_bytes, format_table, log0
-    from distlab.models import GPTConfig
-
-    parser = argparse.ArgumentParser(description="A sequence-parallel transformer block against the full block.")
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--n-embd", type=int, default=64)
-    parser.add_argument("--n-head", type=int, default=4)
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        W, rank = env.world_size, env.rank
-        _check_divisible(args.seq_len, W, "sequence length")
-        torch.manual_seed(0)  # every rank: the same full block and the same whole input
-        block = Block(GPTConfig(block_size=args.seq_len, n_head=args.n_head, n_embd=args.n_embd))
-        x = torch.randn(args.batch, args.seq_len, args.n_embd)
-        sp = SequenceParallelBlock(block)
-
-        def forward_counting_saved(fn):
-            saved = [0]
-
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                saved[0] += t.numel() * t.element_size()
-                return t
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                return fn(), saved[0]
-
-        full, full_saved = forward_counting_saved(lambda: block(x))
-        full.square().mean().backward()
-        mine = x.chunk(W, dim=1)[rank]
-        ledger = CommLedger()
-        with ledger:
-            out, sp_saved = forward_counting_saved(lambda: sp(mine))
-            (out.square().sum() / full.numel()).backward()  # the ranks' losses sum to the full mean
-            allreduce_sequence_parallel_grads(sp)
-        out_diff = (out - full.chunk(W, dim=1)[rank]).abs().max()
-        grad_diff = max((getattr(sp, n).weight.grad - getattr(block, n).weight.grad).abs().max() for n in ("ln1", "ln2"))
-        worst = torch.stack([out_diff, grad_diff]).detach()
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        log0(f"sequence parallel: one block, batch {args.batch} x {args.seq_len} tokens x {args.n_embd}, {W} ranks")
-        log0(format_table([
-            {"block": "full (one process)", "saved activations/rank": format_bytes(full_saved),
-             "sent/rank, fwd+bwd": "0 B", "max |diff|": "-"},
-            {"block": f"sequence parallel ({args.seq_len // W} tokens/rank)",
-             "saved activations/rank": format_bytes(sp_saved), "sent/rank, fwd+bwd": format_bytes(ledger.wire_bytes()),
-             "max |diff|": f"out {worst[0]:.1e}, LayerNorm grads {worst[1]:.1e}"}]))
-        log0(f"calls: {ledger.summary()}")
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()
+    # ### END SOLUTION 2.24b

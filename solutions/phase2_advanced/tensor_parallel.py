@@ -1,184 +1,38 @@
 """Tensor parallelism (Megatron-LM): split every weight matrix of a layer across ranks.
 
-A linear layer ``y = x A^T`` can be split two ways (Shoeybi et al. 2019, Fig. 3):
+``y = x A^T`` splits two ways (Shoeybi et al. 2019, Fig. 3): column-parallel (rank r
+holds rows r of ``A``: whole ``x`` in, a slice of ``y`` out) and row-parallel (columns
+r: a slice of ``x`` in, a partial sum of ``y`` out). A column layer then a row layer
+(the MLP; q/k/v then the output projection, heads split) needs no communication in
+between; at the boundaries stand tp_primitives.py's f (``copy_to_region``) and g
+(``reduce_from_region``). The template uses the bench's copy of those, ``distlab.tp``.
 
-* column-parallel: rank r holds the rows r of ``A`` (a slice of the *output*
-  features): its input must be the whole ``x``, its output is a slice of ``y``;
-* row-parallel: rank r holds the columns r of ``A`` (a slice of the *input*
-  features): its input is a slice of ``x``, its output a partial sum of ``y``.
-
-A column layer followed by a row layer (the MLP, or q/k/v then the output
-projection with the heads split) needs no communication in between; at the
-boundaries stand two *conjugate* operators:
-
-    f = copy_to_region      forward: identity       backward: all-reduce
-    g = reduce_from_region  forward: all-reduce     backward: identity
-
-and, to gather a split output or split a whole input, the pair
-``gather_from_region`` (all-gather / keep own slice) and ``scatter_to_region``.
-Getting a backward wrong (an all-reduce where the identity belongs) multiplies
-gradients by the tensor-parallel size: the tests run at W = 2, 3 and 4.
-
-Cost per transformer block, per rank (B*T*d activations of ``e`` bytes each):
-forward 2 all-reduces (attention output, MLP output), backward 2 (the gradient
-entering attention and MLP), each of B*T*d*e bytes. The vocab-parallel cross-entropy
-adds three all-reduces of B*T values (max, sum of exps, target logit) instead of
-gathering B*T*V logits.
-
+Cost per transformer block, per rank: forward 2 all-reduces (attention and MLP
+outputs), backward 2, each of B*T*d elements. The vocab-parallel cross-entropy adds
+three all-reduces of B*T values instead of gathering B*T*V logits.
 See phase2_advanced/guidelines_model_parallel.md#tensor-parallelism.
 Run: ``RUN_MODE=tensor_parallel ./entrypoint.sh`` (TinyGPT, tensor-parallel across all ranks).
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distlab.models import MLP, Block, CausalSelfAttention, GPTConfig, TinyGPT
-
-
-def divide(n: int, world_size: int, what: str) -> int:
-    """``n // world_size``, or a ValueError that shows the arithmetic."""
-    if n % world_size:
-        raise ValueError(f"{what} {n} is not divisible by tensor-parallel size {world_size} "
-                         f"({n} = {n // world_size} * {world_size} + {n % world_size})")
-    return n // world_size
-
-
-def _shard(t: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """This rank's contiguous slice of ``t`` along ``dim`` (a copy)."""
-    world_size = dist.get_world_size(group)
-    divide(t.shape[dim], world_size, f"dimension {dim} of size")
-    return t.detach().chunk(world_size, dim)[dist.get_rank(group)].clone()
-
-
-# --------------------------------------------------------------------------- primitives
-class _CopyToRegion(torch.autograd.Function):
-    """f: identity forward; all-reduce (sum) of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # Each rank's partial dL/dx covers only its slice of the next layer: sum them.
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    """g: all-reduce (sum) forward; identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        # The output is replicated, so every rank already holds the whole dL/dout:
-        # all-reducing it here would multiply the gradient by the world size.
-        return grad, None
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    """All-gather along the last dim forward; keep this rank's slice of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x, group=group)
-        return torch.cat(parts, dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        world_size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return grad.chunk(world_size, dim=-1)[rank].contiguous(), None
-
-
-class _ScatterToRegion(torch.autograd.Function):
-    """Keep this rank's slice of the last dim forward; all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-        return x.chunk(world_size, dim=-1)[rank].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
-        dist.all_gather(parts, grad, group=ctx.group)
-        return torch.cat(parts, dim=-1), None
-
-
-def copy_to_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Enter a tensor-parallel region with a replicated input ("f" in Megatron).
-
-    Equivalent to: ``x`` (forward); the gradient is the sum of every rank's gradient.
-    Collective: in backward, every rank of ``group`` all-reduces (so all must run backward).
-    Cost: none forward; one all-reduce of |x| bytes backward (none when W == 1).
-    """
-    return x if dist.get_world_size(group) == 1 else _CopyToRegion.apply(x, group)
-
-
-def reduce_from_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Leave a tensor-parallel region by summing partial results ("g" in Megatron).
-
-    Equivalent to: ``sum(x_r for r in ranks)`` (forward); the gradient passes through unchanged.
-    Collective: every rank of ``group`` must call it in forward.
-    Cost: one all-reduce of |x| bytes forward; none backward (none at all when W == 1).
-    """
-    return x if dist.get_world_size(group) == 1 else _ReduceFromRegion.apply(x, group)
-
-
-def gather_from_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Concatenate every rank's slice along the last dim (a column layer's full output).
-
-    Equivalent to: ``torch.cat([x_0, ..., x_{W-1}], dim=-1)``; backward keeps this rank's slice.
-    Collective: every rank of ``group`` must call it in forward, with equal shapes.
-    Cost: one all-gather of |x| bytes per rank forward (receives (W-1)|x|); none backward.
-    """
-    return x if dist.get_world_size(group) == 1 else _GatherFromRegion.apply(x, group)
-
-
-def scatter_to_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Keep this rank's slice of the last dim of a replicated ``x`` (a row layer's input).
-
-    Equivalent to: ``x.chunk(W, -1)[rank]``; backward all-gathers the slices' gradients.
-    Collective: in backward, every rank of ``group`` all-gathers.
-    Cost: none forward; one all-gather of |x|/W bytes per rank backward.
-    """
-    world_size = dist.get_world_size(group)
-    divide(x.shape[-1], world_size, "last dimension")
-    return x if world_size == 1 else _ScatterToRegion.apply(x, group)
-
-
-# --------------------------------------------------------------------------- layers
-def _mark(param: nn.Parameter, dim: int) -> nn.Parameter:
-    """Tag a sharded parameter with the dim it is split along (tests map it to the full one)."""
-    param.partition_dim = dim
-    return param
+from distlab.models import MLP, Block, CausalSelfAttention, TinyGPT
+from distlab.sync import check_divisible
+from distlab.tp import load_shards, mark_sharded
+from solutions.phase2_advanced.tp_primitives import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region  # template: from distlab.tp import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region
 
 
 class ColumnParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A`` split by rows: rank r computes output features slice r.
 
-    Args:
-        in_features, out_features: the *full* layer's sizes; out_features % W == 0.
-        gather_output: all-gather the output slices into the full ``(..., out_features)``.
+    Args: the *full* layer's sizes (out_features % W == 0); ``gather_output``: all-gather
+    the output slices into the full ``(..., out_features)``.
 
     Equivalent to: ``nn.Linear(in_features, out_features)`` (slice r of its output).
     Collective: backward all-reduces dL/dx over ``group`` (and forward gathers if asked).
@@ -189,9 +43,9 @@ class ColumnParallelLinear(nn.Module):
                  group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.group, self.gather_output = group, gather_output
-        local_out = divide(out_features, dist.get_world_size(group), "out_features")
-        self.weight = _mark(nn.Parameter(torch.randn(local_out, in_features, dtype=dtype) * 0.02), 0)
-        self.bias = _mark(nn.Parameter(torch.zeros(local_out, dtype=dtype)), 0) if bias else None
+        local_out = check_divisible(out_features, dist.get_world_size(group), "out_features", "tensor-parallel size")
+        self.weight = mark_sharded(nn.Parameter(torch.randn(local_out, in_features, dtype=dtype) * 0.02), 0)
+        self.bias = mark_sharded(nn.Parameter(torch.zeros(local_out, dtype=dtype)), 0) if bias else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, gather_output: bool = False,
@@ -199,25 +53,24 @@ class ColumnParallelLinear(nn.Module):
         """This rank's shard of a full ``nn.Linear`` (same values, no communication)."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, gather_output, group,
                     linear.weight.dtype)
-        with torch.no_grad():
-            layer.weight.copy_(_shard(linear.weight, 0, group))
-            if linear.bias is not None:
-                layer.bias.copy_(_shard(linear.bias, 0, group))
-        return layer
+        return load_shards(layer, linear, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # ### BEGIN SOLUTION 2.17a: column-parallel forward [guidelines_model_parallel.md#column-and-row-parallel-linear]
+        # Goal: this rank's slice of y = x A^T + b (the whole y if self.gather_output). x is
+        # replicated and every rank's slice used all of it: its gradient must come back whole.
+        # Communicate only through the conjugate functions.
         x = copy_to_region(x, self.group)  # every rank's slice of y depends on all of x
         y = F.linear(x, self.weight, self.bias)
         return gather_from_region(y, self.group) if self.gather_output else y
+        # ### END SOLUTION 2.17a
 
 
 class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A`` split by columns: rank r multiplies input slice r, then sum.
 
-    Args:
-        in_features, out_features: the *full* layer's sizes; in_features % W == 0.
-        input_is_parallel: the input is already split (a column layer's output); if
-            False, the replicated input is split here.
+    Args: the *full* layer's sizes (in_features % W == 0); ``input_is_parallel``: the input
+    is already split (a column layer's output); if False, the replicated input is split here.
 
     Equivalent to: ``nn.Linear(in_features, out_features)``; the output is replicated.
     Collective: forward all-reduces the partial products over ``group``.
@@ -228,8 +81,8 @@ class RowParallelLinear(nn.Module):
                  group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.group, self.input_is_parallel = group, input_is_parallel
-        local_in = divide(in_features, dist.get_world_size(group), "in_features")
-        self.weight = _mark(nn.Parameter(torch.randn(out_features, local_in, dtype=dtype) * 0.02), 1)
+        local_in = check_divisible(in_features, dist.get_world_size(group), "in_features", "tensor-parallel size")
+        self.weight = mark_sharded(nn.Parameter(torch.randn(out_features, local_in, dtype=dtype) * 0.02), 1)
         # Replicated: added once, after the sum (adding it on every rank would count it W times).
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
 
@@ -239,17 +92,18 @@ class RowParallelLinear(nn.Module):
         """This rank's shard of a full ``nn.Linear`` (same values, no communication)."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, input_is_parallel, group,
                     linear.weight.dtype)
-        with torch.no_grad():
-            layer.weight.copy_(_shard(linear.weight, 1, group))
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias)
-        return layer
+        return load_shards(layer, linear, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # ### BEGIN SOLUTION 2.17b: row-parallel forward [guidelines_model_parallel.md#column-and-row-parallel-linear]
+        # Goal: the whole, replicated y = x A^T + b. This rank's columns of A multiply only
+        # its slice of x (split a replicated x first unless self.input_is_parallel): a
+        # partial sum of y. The replicated bias must count once, not W times.
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group)
         y = reduce_from_region(F.linear(x, self.weight), self.group)  # partial sums -> full y
         return y + self.bias if self.bias is not None else y
+        # ### END SOLUTION 2.17b
 
 
 class ParallelMLP(nn.Module):
@@ -263,37 +117,40 @@ class ParallelMLP(nn.Module):
     def __init__(self, n_embd: int, hidden: int, bias: bool = True, group: dist.ProcessGroup | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        self.group = group
         self.fc = ColumnParallelLinear(n_embd, hidden, bias, gather_output=False, group=group, dtype=dtype)
         self.proj = RowParallelLinear(hidden, n_embd, bias, input_is_parallel=True, group=group, dtype=dtype)
 
     @classmethod
     def from_mlp(cls, mlp: MLP, group: dist.ProcessGroup | None = None) -> "ParallelMLP":
         layer = cls(mlp.fc.in_features, mlp.fc.out_features, mlp.fc.bias is not None, group, mlp.fc.weight.dtype)
-        layer.fc = ColumnParallelLinear.from_linear(mlp.fc, gather_output=False, group=group)
-        layer.proj = RowParallelLinear.from_linear(mlp.proj, input_is_parallel=True, group=group)
-        return layer
+        return load_shards(layer, mlp, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))  # gelu is elementwise: it runs on the slice as is
+        # ### BEGIN SOLUTION 2.18a: parallel MLP [guidelines_model_parallel.md#parallel-mlp-and-attention]
+        # Goal: MLP(x), replicated, from this rank's shards self.fc (rows) and self.proj (columns).
+        # Enter the region once, leave it once: one all-reduce forward, one backward (the
+        # test counts). Use the layers' weights directly; the proj bias counts once.
+        h = copy_to_region(x, self.group)
+        h = F.gelu(F.linear(h, self.fc.weight, self.fc.bias))  # elementwise: runs on the slice as is
+        y = reduce_from_region(F.linear(h, self.proj.weight), self.group)
+        return y + self.proj.bias if self.proj.bias is not None else y
+        # ### END SOLUTION 2.18a
 
 
 class ParallelSelfAttention(nn.Module):
-    """Causal self-attention with the heads split across ranks: n_head/W heads per rank.
-
-    q, k and v are column-parallel (their output features are whole heads), the
-    output projection row-parallel; attention itself is per head, so local.
+    """Causal self-attention, n_head/W heads per rank: q, k, v column-parallel (whole heads), proj row-parallel.
 
     Equivalent to: ``distlab.models.CausalSelfAttention`` (dropout 0).
     Collective: every rank of ``group`` runs forward and backward.
-    Cost: forward one all-reduce of |x| (after proj); backward one all-reduce of |x|
-    (the three column layers share one copy_to_region).
+    Cost: forward one all-reduce of |x| (after proj); backward one (q, k, v share one f).
     """
 
     def __init__(self, n_embd: int, n_head: int, bias: bool = True, group: dist.ProcessGroup | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.group = group
-        self.local_heads = divide(n_head, dist.get_world_size(group), "n_head")
+        self.local_heads = check_divisible(n_head, dist.get_world_size(group), "n_head", "tensor-parallel size")
         self.head_dim = n_embd // n_head
         self.q, self.k, self.v = (ColumnParallelLinear(n_embd, n_embd, bias, group=group, dtype=dtype)
                                   for _ in range(3))
@@ -302,20 +159,22 @@ class ParallelSelfAttention(nn.Module):
     @classmethod
     def from_attention(cls, attn: CausalSelfAttention, group: dist.ProcessGroup | None = None
                        ) -> "ParallelSelfAttention":
-        n_embd = attn.q.in_features
-        layer = cls(n_embd, attn.n_head, attn.q.bias is not None, group, attn.q.weight.dtype)
-        for name in ("q", "k", "v"):
-            setattr(layer, name, ColumnParallelLinear.from_linear(getattr(attn, name), group=group))
-        layer.proj = RowParallelLinear.from_linear(attn.proj, input_is_parallel=True, group=group)
-        return layer
+        layer = cls(attn.q.in_features, attn.n_head, attn.q.bias is not None, group, attn.q.weight.dtype)
+        return load_shards(layer, attn, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
+        # ### BEGIN SOLUTION 2.18b: attention with local heads [guidelines_model_parallel.md#parallel-mlp-and-attention]
+        # Goal: CausalSelfAttention(x), replicated, from this rank's self.local_heads heads only
+        # (attention is per head, so local). Enter the region once for all three projections
+        # and leave it once after proj (bias once): one all-reduce forward, one backward.
         x = copy_to_region(x, self.group)  # once for q, k and v: one all-reduce backward, not three
         q, k, v = (F.linear(x, m.weight, m.bias).view(B, T, self.local_heads, self.head_dim).transpose(1, 2)
                    for m in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
+        y = reduce_from_region(F.linear(y, self.proj.weight), self.group)
+        return y + self.proj.bias if self.proj.bias is not None else y
+        # ### END SOLUTION 2.18b
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -330,23 +189,25 @@ class VocabParallelEmbedding(nn.Module):
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.group = group
-        local = divide(num_embeddings, dist.get_world_size(group), "vocab size")
+        local = check_divisible(num_embeddings, dist.get_world_size(group), "vocab size", "tensor-parallel size")
         self.vocab_start = dist.get_rank(group) * local
-        self.weight = _mark(nn.Parameter(torch.randn(local, embedding_dim, dtype=dtype) * 0.02), 0)
+        self.weight = mark_sharded(nn.Parameter(torch.randn(local, embedding_dim, dtype=dtype) * 0.02), 0)
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, group: dist.ProcessGroup | None = None) -> "VocabParallelEmbedding":
-        layer = cls(emb.num_embeddings, emb.embedding_dim, group, emb.weight.dtype)
-        with torch.no_grad():
-            layer.weight.copy_(_shard(emb.weight, 0, group))
-        return layer
+        return load_shards(cls(emb.num_embeddings, emb.embedding_dim, group, emb.weight.dtype), emb, group)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        # ### BEGIN SOLUTION 2.19a: vocab-parallel embedding [guidelines_model_parallel.md#vocab-parallel-embedding-and-cross-entropy]
+        # Goal: the (..., d) embeddings of idx, replicated. This rank owns rows
+        # [self.vocab_start, self.vocab_start + local rows) only: it contributes those tokens'
+        # rows and zeros elsewhere (never index out of range); the ranks' parts then add up.
         local = idx - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # another rank owns these rows
         return reduce_from_region(out, self.group)
+        # ### END SOLUTION 2.19a
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
@@ -357,16 +218,18 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
         logits: (N, V/W), this rank's vocab slice [rank*V/W, (rank+1)*V/W).
         targets: (N,) token ids in [0, V), the same on every rank.
 
-    Returns: (N,) losses, the same on every rank.
-    Equivalent to: ``F.cross_entropy(full_logits, targets, reduction="none")``.
+    Returns (N,) losses, the same on every rank. Equivalent to: ``F.cross_entropy(full_logits, targets, reduction="none")``.
     Collective: every rank of ``group`` must call it.
     Cost: three all-reduces of N values forward (max, sum of exps, target logit);
     none backward (instead of an all-gather of N*V logits).
     """
     local_vocab = logits.shape[-1]
     start = dist.get_rank(group) * local_vocab
-    # Subtract the global max for stability; it needs no gradient (the loss does not depend on it).
-    shift = logits.detach().amax(dim=-1)
+    # ### BEGIN SOLUTION 2.19b: vocab-parallel cross-entropy [guidelines_model_parallel.md#vocab-parallel-embedding-and-cross-entropy]
+    # Goal: log(sum_v exp z_v) - z_target per token from this rank's slice, stable (shift by the
+    # max over the WHOLE vocabulary); at most three reductions of N values, never the N*V logits.
+    # Sum over ranks so that each rank's logits get softmax - one-hot, with no custom backward.
+    shift = logits.detach().amax(dim=-1)  # no gradient needed: the loss does not depend on it
     if dist.get_world_size(group) > 1:
         dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
     logits = logits - shift.unsqueeze(-1)
@@ -376,16 +239,15 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     target_logit = logits.gather(-1, local.masked_fill(outside, 0).unsqueeze(-1)).squeeze(-1)
     target_logit = reduce_from_region(target_logit.masked_fill(outside, 0.0), group)
     return torch.log(sum_exp) - target_logit
+    # ### END SOLUTION 2.19b
 
 
-# --------------------------------------------------------------------------- TinyGPT
 class ParallelBlock(nn.Module):
     """A transformer block with parallel attention and MLP; LayerNorms replicated."""
 
     def __init__(self, block: Block, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
-        # LayerNorm inputs and outputs are replicated: every rank computes the same
-        # values, and copy_to_region's backward makes their gradients whole.
+        # Replicated LayerNorms: same values on every rank; f's backward makes their gradients whole.
         self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
         self.attn = ParallelSelfAttention.from_attention(block.attn, group)
         self.mlp = ParallelMLP.from_mlp(block.mlp, group)
@@ -404,8 +266,8 @@ class ParallelGPT(nn.Module):
 
     Equivalent to: ``TinyGPT`` (its logits are ``gather_from_region(forward(idx))``).
     Collective: every rank of ``group`` runs forward and backward on the same tokens.
-    Cost per step: 2 all-reduces of B*T*d per block forward and 2 backward, one more
-    for the embedding forward and one for the head backward, 3 of B*T for the loss.
+    Cost per step: 2 all-reduces of B*T*d per block forward and 2 backward, one for the
+    embedding forward, one for the head backward, 3 of B*T for the loss.
     """
 
     def __init__(self, gpt: TinyGPT, group: dist.ProcessGroup | None = None) -> None:
@@ -424,69 +286,14 @@ class ParallelGPT(nn.Module):
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
             x = block(x)
+        # ### BEGIN SOLUTION 2.20: tied head and loss [guidelines_model_parallel.md#tensor-parallel-tinygpt]
+        # Goal: this rank's (B, T, V/W) logits from the head tied to self.wte (a column-parallel
+        # layer over the vocabulary, no bias) applied to ln_f(x); with targets, also the mean
+        # loss over all tokens, replicated, computed from the split logits.
         h = copy_to_region(self.ln_f(x), self.group)
         logits = F.linear(h, self.wte.weight)  # tied head: column-parallel over the vocabulary
         if targets is None:
             return logits
         loss = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.group).mean()
         return logits, loss
-
-
-# --------------------------------------------------------------------------- demo
-def main(argv: list[str] | None = None) -> None:
-    from distlab.comm import CommLedger
-    from distlab.data import synthetic_tokens
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_bytes, format_table, log0, progress
-
-    parser = argparse.ArgumentParser(description="Tensor-parallel TinyGPT vs the same model on one process.")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--n-embd", type=int, default=64)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=args.n_head, n_embd=args.n_embd)
-        torch.manual_seed(0)  # every rank builds the same full model, then keeps its shard
-        reference = TinyGPT(cfg)
-        model = ParallelGPT(reference, group=None).to(env.device)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-        ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr, weight_decay=0.0)
-        tokens, targets = synthetic_tokens(n_seq=args.batch * args.steps, seq_len=16, vocab_size=64).tensors
-        n_full = sum(p.numel() for p in reference.parameters())
-        n_local = sum(p.numel() for p in model.parameters())
-        log0(f"tensor parallel: TinyGPT over {env.world_size} ranks ({env.backend}); {n_full} parameters, "
-             f"{n_local} on each rank")
-        ledger, elapsed = CommLedger(), 0.0
-        for step in progress(range(args.steps), desc="tensor parallel"):
-            x = tokens[step * args.batch:(step + 1) * args.batch].to(env.device)
-            y = targets[step * args.batch:(step + 1) * args.batch].to(env.device)
-            start = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            if step == args.steps - 1:
-                with ledger:
-                    loss = model(x, y)[1]
-                    loss.backward()
-            else:
-                loss = model(x, y)[1]
-                loss.backward()
-            opt.step()
-            elapsed += time.perf_counter() - start
-            ref_opt.zero_grad(set_to_none=True)  # the single-process twin, for the summary
-            ref_loss = reference(x.cpu(), y.cpu())[1]
-            ref_loss.backward()
-            ref_opt.step()
-        log0("\n" + format_table([{
-            "ranks": env.world_size, "steps": args.steps, "loss (tensor parallel)": f"{loss.item():.4f}",
-            "loss (one process)": f"{ref_loss.item():.4f}", "params/rank": n_local,
-            "all-reduces/step": ledger.calls("all_reduce"),
-            "all-reduced/step": format_bytes(ledger.bytes("all_reduce")),
-            "steps/s": f"{args.steps / elapsed:.1f}"}]))
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()
+        # ### END SOLUTION 2.20

@@ -25,14 +25,14 @@ Run: ``NPROC=4 RUN_MODE=tp_dp_2d ./entrypoint.sh`` (TinyGPT; tp_size 2 by defaul
 """
 from __future__ import annotations
 
-import argparse
-import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from distlab.sync import allreduce_gradients, check_divisible
 
 
 @dataclass(frozen=True)
@@ -64,18 +64,20 @@ def build_grid(tp_size: int) -> RankGrid:
     Cost: one group creation per row and per column (setup only).
     """
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    if tp_size < 1 or world_size % tp_size:
-        raise ValueError(f"world size {world_size} is not divisible by tp_size {tp_size} "
-                         f"({world_size} = {world_size // max(tp_size, 1)} * {tp_size} + {world_size % max(tp_size, 1)})")
-    dp_size = world_size // tp_size
+    dp_size = check_divisible(world_size, tp_size, "world size", "tp_size")
+    mine: dict[str, tuple] = {}  # "tp" / "dp" -> (this rank's group, its global ranks as a tuple)
+    # ### BEGIN SOLUTION 2.21: rank grid [guidelines_model_parallel.md#2d-parallelism]
+    # Goal: fill `mine` with this rank's row (its tp group: tp_size neighbouring ranks,
+    # rank = dp_rank * tp_size + tp_rank) and its column (its dp group: the ranks with the same
+    # tp_rank). Collective: creating a group involves the whole world, every group, every rank.
     tp_groups = [[d * tp_size + t for t in range(tp_size)] for d in range(dp_size)]  # rows
     dp_groups = [[d * tp_size + t for d in range(dp_size)] for t in range(tp_size)]  # columns
-    mine: dict[str, tuple] = {}
     for kind, layout in (("tp", tp_groups), ("dp", dp_groups)):
         for ranks in layout:
             group = dist.new_group(ranks)  # every rank creates every group
             if rank in ranks:
                 mine[kind] = (group, tuple(ranks))
+    # ### END SOLUTION 2.21
     return RankGrid(rank=rank, world_size=world_size, tp_size=tp_size, dp_size=dp_size,
                     tp_rank=rank % tp_size, dp_rank=rank // tp_size,
                     tp_group=mine["tp"][0], dp_group=mine["dp"][0],
@@ -91,10 +93,11 @@ def allreduce_dp_gradients(model: nn.Module, grid: RankGrid) -> None:
     Cost: one all-reduce of |local params with gradients| bytes over the dp group
     (|params|/tp_size for the sharded ones).
     """
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=grid.dp_group)
-            p.grad /= grid.dp_size
+    # ### BEGIN SOLUTION 2.22: data-parallel gradient average [guidelines_model_parallel.md#2d-parallelism]
+    # Goal: every gradient of this rank's shard becomes its mean over the ranks that hold the
+    # SAME shard on other data, and only those. Collective: those ranks all call it.
+    allreduce_gradients(model.parameters(), group=grid.dp_group)  # mean over the column only
+    # ### END SOLUTION 2.22
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -105,9 +108,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     ``model`` is a tensor-parallel model built on ``grid.tp_group``; ``loss_fn(model, x, y)``
     returns the mean loss of a batch.
     """
-    if inputs.shape[0] % grid.dp_size:
-        raise ValueError(f"global batch {inputs.shape[0]} is not divisible by dp_size {grid.dp_size}")
-    per = inputs.shape[0] // grid.dp_size
+    per = check_divisible(inputs.shape[0], grid.dp_size, "global batch", "dp_size")
     rows = slice(grid.dp_rank * per, (grid.dp_rank + 1) * per)  # the same shard on the whole tp row
     optimizer.zero_grad(set_to_none=True)
     loss = loss_fn(model, inputs[rows], targets[rows])
@@ -115,58 +116,3 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     allreduce_dp_gradients(model, grid)
     optimizer.step()
     return loss.detach()
-
-
-# --------------------------------------------------------------------------- demo
-def main(argv: list[str] | None = None) -> None:
-    from distlab import load
-    from distlab.comm import CommLedger
-    from distlab.data import synthetic_tokens
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_bytes, format_table, log0, progress
-    from distlab.models import GPTConfig, TinyGPT
-
-    parser = argparse.ArgumentParser(description="TinyGPT, data parallel x tensor parallel.")
-    parser.add_argument("--tp-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        tp = load("phase2_advanced", "tensor_parallel")  # the layers of exercises 2.15-2.20
-        grid = build_grid(min(args.tp_size, env.world_size))
-        cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=64)
-        torch.manual_seed(0)  # every rank builds the same full model, then keeps its tp shard
-        reference = TinyGPT(cfg)
-        model = tp.ParallelGPT(reference, group=grid.tp_group).to(env.device)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-        ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr, weight_decay=0.0)
-        tokens, targets = synthetic_tokens(n_seq=args.global_batch * args.steps, seq_len=16, vocab_size=64).tensors
-        log0(f"2D: {env.world_size} ranks = dp {grid.dp_size} x tp {grid.tp_size}; "
-             f"rank 0's tp group {list(grid.tp_ranks)}, dp group {list(grid.dp_ranks)}")
-        ledger, elapsed = CommLedger(), 0.0
-        for step in progress(range(args.steps), desc="2D"):
-            x = tokens[step * args.global_batch:(step + 1) * args.global_batch]
-            y = targets[step * args.global_batch:(step + 1) * args.global_batch]
-            start = time.perf_counter()
-            with ledger:
-                loss = train_step(model, opt, lambda m, a, b: m(a, b)[1], x.to(env.device), y.to(env.device), grid)
-            elapsed += time.perf_counter() - start
-            ref_opt.zero_grad(set_to_none=True)
-            ref_loss = reference(x, y)[1]  # single process, whole global batch
-            ref_loss.backward()
-            ref_opt.step()
-        dist.all_reduce(loss, group=grid.dp_group)  # mean over replicas = the global batch's loss
-        log0("\n" + format_table([{
-            "ranks": env.world_size, "dp x tp": f"{grid.dp_size} x {grid.tp_size}", "steps": args.steps,
-            "loss (2D)": f"{loss.item() / grid.dp_size:.4f}", "loss (one process)": f"{ref_loss.item():.4f}",
-            "params/rank": sum(p.numel() for p in model.parameters()),
-            "all-reduced/step (rank 0)": format_bytes(ledger.bytes("all_reduce") / args.steps),
-            "steps/s": f"{args.steps / elapsed:.1f}"}]))
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()

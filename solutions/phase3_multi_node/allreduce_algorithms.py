@@ -72,6 +72,12 @@ def halving_doubling_allreduce(tensor: torch.Tensor, op: str = "sum",
         span = lambda lo, hi: (starts[lo], starts[hi])  # blocks [lo, hi) -> elements
         lo, hi = 0, p  # the blocks this rank is still responsible for
         buf = torch.empty(starts[max(1, p // 2)], dtype=flat.dtype, device=flat.device)  # the larger half
+        # ### BEGIN SOLUTION 3.5: recursive halving-doubling [guidelines.md#recursive-halving-doubling]
+        # Goal: all-reduce `flat` over ranks 0..p-1 in 2 log2(p) exchanges. Halving: at each
+        # distance, pair with the rank differing in that bit, keep half of your block range
+        # [lo, hi) and trade the other half for the partner's copy of yours, adding it in, until
+        # you own block `rank` alone ("avg": divide it there). Doubling: the same pairs in
+        # reverse, swapping whole owned ranges, received in place. Both partners call `exchange`.
         distance = p // 2
         while distance:  # halving: keep the half on my side of bit `distance`, send the other
             mid = (lo + hi) // 2
@@ -92,6 +98,7 @@ def halving_doubling_allreduce(tensor: torch.Tensor, op: str = "sum",
             exchange(flat[m0:m1], flat[q0:q1], rank ^ distance, group)
             lo, hi = min(lo, peer_lo), max(hi, peer_lo + size)
             distance *= 2
+        # ### END SOLUTION 3.5
         if rank + p < world_size:
             dist.send(flat, group=group, group_dst=rank + p)
     if not tensor.is_contiguous():
@@ -152,12 +159,18 @@ def hierarchical_allreduce(tensor: torch.Tensor, groups: NodeGroups, op: str = "
     """
     check_reduce_op(op, tensor)
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+    # ### BEGIN SOLUTION 3.6: hierarchical all-reduce [guidelines.md#hierarchical-all-reduce]
+    # Goal: the world-wide all-reduce of `flat`, where only node leaders (local rank 0) talk
+    # across nodes: gather the node's sum on its leader, combine the leaders' sums among the
+    # leaders only ("avg": divide by the world size once), then give the result to the whole
+    # node. Use torch.distributed's built-ins on `groups.intra` and `groups.leaders`.
     dist.reduce(flat, group=groups.intra, group_dst=0)  # node sum lands on the leader
     if groups.is_leader:
         dist.all_reduce(flat, group=groups.leaders)  # the only inter-node traffic
         if op == "avg":
             flat /= dist.get_world_size()
     dist.broadcast(flat, group=groups.intra, group_src=0)
+    # ### END SOLUTION 3.6
     if not tensor.is_contiguous():
         tensor.copy_(flat.view(tensor.shape))
     return tensor

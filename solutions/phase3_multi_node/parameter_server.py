@@ -24,12 +24,12 @@ Cost per worker step: |params| bytes pushed and |params| pulled; a server moves
 2 K |shard| bytes per step: its network link is the bottleneck that sharding spreads.
 See phase3_multi_node/guidelines.md#parameter-server.
 
-Run: ``RUN_MODE=parameter_server ./entrypoint.sh`` (NPROC=3: one server, two workers, digits).
+Run the demo (sync, then async SGD on digits): ``NPROC=3 RUN_MODE=parameter_server
+./entrypoint.sh`` (one server, two workers); ``IMPL=templates NPROC=3 RUN_MODE=parameter_server
+./entrypoint.sh`` runs your template.
 """
 from __future__ import annotations
 
-import argparse
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -72,10 +72,15 @@ def assign_shards(sizes: list[int], num_servers: int) -> list[int]:
     if num_servers > len(sizes):
         raise ValueError(f"{num_servers} servers but only {len(sizes)} parameter tensors: a server would hold nothing")
     loads, owners = [0] * num_servers, [0] * len(sizes)
+    # ### BEGIN SOLUTION 3.7: greedy parameter sharding [guidelines.md#sharding-the-parameters]
+    # Goal: fill owners[i] = the server of tensor i, balancing the servers' total sizes
+    # (`loads`) greedily: big tensors are placed first, each where the load is lowest so far.
+    # Deterministic on every rank: ties go to the lower tensor index and the lower server id.
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
         server = min(range(num_servers), key=lambda s: (loads[s], s))
         owners[i] = server
         loads[server] += sizes[i]
+    # ### END SOLUTION 3.7
     return owners
 
 
@@ -137,7 +142,10 @@ def serve(shard: torch.Tensor, config: PSConfig, steps: int) -> dict:
         done[src] = step + 1
         held.add(src)
         if config.mode == "sync":
-            # Wait for every worker's gradient of this step, apply their mean once, release all.
+            # ### BEGIN SOLUTION 3.8a: synchronous parameter server (server) [guidelines.md#synchronous-updates]
+            # Goal: collect one gradient of this step from every live worker (`grad` is reused
+            # for the next message), then apply their mean to `shard` once, in place and in a
+            # deterministic order, and only then let every held worker go on with an OK reply.
             pending_sync[src] = grad.clone()
             if set(pending_sync) == alive:
                 total = sum(pending_sync[w] for w in sorted(pending_sync))  # rank order: deterministic
@@ -146,11 +154,16 @@ def serve(shard: torch.Tensor, config: PSConfig, steps: int) -> dict:
                 for w in sorted(held):
                     reply(w, OK)
                 held.clear()
+            # ### END SOLUTION 3.8a
             continue
         # Async: apply at once; release every held worker not more than `staleness` steps
         # ahead of the slowest live worker that still has steps to do.
+        # ### BEGIN SOLUTION 3.9a: asynchronous parameter server (apply at once) [guidelines.md#asynchronous-updates-and-the-staleness-bound]
+        # Goal: apply this one gradient to `shard` at once, in place, with its share of the
+        # learning rate, then let go every held worker that the staleness bound allows.
         shard -= (config.lr / len(workers)) * grad
         held = _release(held, done, alive, steps, config.staleness, reply)
+        # ### END SOLUTION 3.9a
     for work in replies:
         work.wait()
     return {"pushes": pushes, "left": sorted(set(workers) - alive), "max_ahead": max(leads)}
@@ -161,14 +174,19 @@ def _release(held: set, done: dict, alive: set, steps: int, staleness: int, repl
 
     Returns the workers still held. A finished worker never holds others back.
     """
+    still_held: set = set()
+    # ### BEGIN SOLUTION 3.9b: asynchronous parameter server (staleness bound) [guidelines.md#asynchronous-updates-and-the-staleness-bound]
+    # Goal: measure each held worker's lead over the slowest live worker that still has steps
+    # to do (a finished worker holds nobody back); reply OK, with its lead, to every held worker
+    # within `staleness`, in rank order; the others, still waiting, go into `still_held`.
     behind = [done[w] for w in alive if done[w] < steps]
     slowest = min(behind) if behind else steps
-    still_held = set()
     for w in sorted(held):
         if done[w] - slowest <= staleness:
             reply(w, OK, lead=done[w] - slowest)
         else:
             still_held.add(w)
+    # ### END SOLUTION 3.9b
     return still_held
 
 
@@ -226,9 +244,14 @@ def work(model: nn.Module, owners: list[int], config: PSConfig, steps: int,
             loss = loss_fn(model(x), y)
             loss.backward()
             losses.append(loss.item())
+            # ### BEGIN SOLUTION 3.8b: synchronous parameter server (worker push) [guidelines.md#synchronous-updates]
+            # Goal: push this step's gradients: every server gets a header saying PUSH and the
+            # step, then the gradients of the parameters it owns, packed into one message. The
+            # header and data tags keep a header from any worker apart from data.
             for s, ps in enumerate(mine):  # push: a header, then this server's gradients
                 dist.send(torch.tensor([PUSH, step]), dst=s, tag=_HEADER)
                 dist.send(_pack([p.grad for p in ps]), dst=s, tag=_DATA)
+            # ### END SOLUTION 3.8b
             pull()
             if on_pull is not None:
                 on_pull(step + 1, model)
@@ -263,62 +286,3 @@ def parameter_server(model: nn.Module, config: PSConfig, steps: int, get_batch, 
         return {"role": "server", "load_bytes": server_loads(sizes, owners, config.num_servers)[rank],
                 "shard": shard, **stats}
     return {"role": "worker", "losses": work(model, owners, config, steps, get_batch, loss_fn, on_pull)}
-
-
-# --------------------------------------------------------------------------- demo
-def main(argv: list[str] | None = None) -> None:
-    import torch.nn.functional as F
-
-    from distlab.data import digits
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_bytes, format_table, log0
-    from distlab.models import ToyMLP, seeded
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--servers", type=int, default=1)
-    parser.add_argument("--staleness", type=int, default=2)
-    parser.add_argument("--per-worker-batch", type=int, default=32)
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        train, test = digits("train", flatten=True), digits("test", flatten=True)
-        rows = []
-        for mode, staleness in (("sync", 0), ("async", args.staleness)):
-            config = PSConfig(num_servers=args.servers, mode=mode, staleness=staleness, lr=0.2)
-            num_workers = env.world_size - config.num_servers
-
-            def get_batch(step, index, k):
-                order = torch.randperm(len(train), generator=torch.Generator().manual_seed(step))
-                idx = order[:args.per_worker_batch * k].tensor_split(k)[index]
-                return train.tensors[0][idx], train.tensors[1][idx]
-
-            model = seeded(ToyMLP, 0, 64, 64, 10)
-            start = time.perf_counter()
-            out = parameter_server(model, config, args.steps, get_batch, F.cross_entropy)
-            seconds = time.perf_counter() - start
-            results = [None] * env.world_size
-            if out["role"] == "worker":
-                with torch.no_grad():
-                    out["accuracy"] = (model(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean().item()
-                out["final_loss"] = sum(out["losses"][-10:]) / 10
-            out.pop("shard", None)
-            dist.all_gather_object(results, out)
-            servers = [r for r in results if r["role"] == "server"]
-            workers = [r for r in results if r["role"] == "worker"]
-            rows.append({"mode": f"{mode} (s={staleness})" if mode == "async" else mode,
-                         "servers x workers": f"{len(servers)} x {num_workers}",
-                         "final loss (worker mean)": f"{sum(w['final_loss'] for w in workers) / len(workers):.3f}",
-                         "test accuracy": f"{sum(w['accuracy'] for w in workers) / len(workers):.3f}",
-                         "max lead granted": max(s["max_ahead"] for s in servers),
-                         "server loads": " / ".join(format_bytes(s["load_bytes"]) for s in servers),
-                         "seconds": f"{seconds:.1f}"})
-            log0(f"{rows[-1]['mode']}: done in {seconds:.1f} s")
-        log0(f"\n== parameter server on digits, {args.steps} steps, ToyMLP(64, 64, 10) ==")
-        log0(format_table(rows))
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()

@@ -20,12 +20,11 @@ cuts every chunk into slices and forwards each slice as soon as it has been adde
 so sending, receiving and adding overlap (as NCCL does).
 See phase3_multi_node/guidelines.md#ring-all-reduce.
 
-Run the demo: ``RUN_MODE=ring_allreduce ./entrypoint.sh`` (or ``torchrun
---nproc_per_node=4 -m solutions.phase3_multi_node.ring_allreduce``).
+Run the demo (checks, then a timing table against ``dist.all_reduce``):
+``RUN_MODE=ring_allreduce ./entrypoint.sh``; ``IMPL=templates RUN_MODE=ring_allreduce
+./entrypoint.sh`` runs your template.
 """
 from __future__ import annotations
-
-import argparse
 
 import torch
 import torch.distributed as dist
@@ -73,13 +72,20 @@ def _ring_reduce_scatter_(flat: torch.Tensor, group: dist.ProcessGroup | None = 
     (the other chunks hold partial sums)."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     bounds = chunk_bounds(flat.numel(), world_size)
-    incoming = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype, device=flat.device)
+    incoming = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype, device=flat.device)  # the largest chunk
+    # ### BEGIN SOLUTION 3.1: ring reduce-scatter [guidelines.md#ring-all-reduce]
+    # Goal: after W-1 ring steps, chunk `rank` of `flat` holds that chunk summed over all ranks.
+    # At every step each rank passes one chunk to its right neighbour and adds the chunk that
+    # arrives from its left into its own copy; which chunk travels at which step is the lesson.
+    # Collective: all ranks of `group` step together, sending and receiving at once
+    # (`ring_exchange`); chunks may differ in size by one, or be empty.
     for step in range(world_size - 1):
         # Send the chunk finished last step; the chunk arriving is one further back.
         s0, s1 = bounds[(rank - step - 1) % world_size]
         r0, r1 = bounds[(rank - step - 2) % world_size]
         ring_exchange(flat[s0:s1], incoming[:r1 - r0], group)
         flat[r0:r1] += incoming[:r1 - r0]
+    # ### END SOLUTION 3.1
 
 
 def _ring_all_gather_(flat: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
@@ -87,11 +93,17 @@ def _ring_all_gather_(flat: torch.Tensor, group: dist.ProcessGroup | None = None
     is final everywhere."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     bounds = chunk_bounds(flat.numel(), world_size)
+    # ### BEGIN SOLUTION 3.2: ring all-gather [guidelines.md#ring-all-reduce]
+    # Goal: chunk c starts final on rank c only; after W-1 ring steps every chunk is final on
+    # every rank. Each step forwards a chunk this rank already has to the right, and the chunk
+    # from the left lands straight in its place in `flat`: copies only, no arithmetic.
+    # Collective: all ranks of `group` step together (`ring_exchange`).
     for step in range(world_size - 1):
         # Forward the chunk received last step (own chunk first), straight into place.
         s0, s1 = bounds[(rank - step) % world_size]
         r0, r1 = bounds[(rank - step - 1) % world_size]
         ring_exchange(flat[s0:s1], flat[r0:r1], group)
+    # ### END SOLUTION 3.2
 
 
 def ring_reduce_scatter(tensor: torch.Tensor, op: str = "sum",
@@ -155,11 +167,15 @@ def ring_allreduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGro
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     # Work in place when we can; a non-contiguous view needs a flat copy and a copy back.
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+    # ### BEGIN SOLUTION 3.3: ring all-reduce [guidelines.md#ring-all-reduce]
+    # Goal: all-reduce `flat` in place by composing 3.1 and 3.2. For "avg", divide so that
+    # each element is divided once and every rank ends bitwise equal (which chunk, and when?).
     _ring_reduce_scatter_(flat, group)
     if op == "avg":  # only the finished chunk: 1/W of the divisions, and every rank agrees bitwise
         start, end = chunk_bounds(flat.numel(), world_size)[rank]
         flat[start:end] /= world_size
     _ring_all_gather_(flat, group)
+    # ### END SOLUTION 3.3
     if not tensor.is_contiguous():
         tensor.copy_(flat.view(tensor.shape))
     return tensor
@@ -193,10 +209,20 @@ def ring_allreduce_pipelined(tensor: torch.Tensor, op: str = "sum", group: dist.
     check_reduce_op(op, tensor)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+    bounds = chunk_bounds(flat.numel(), world_size)
+    # Elements per slice, never more than the largest chunk (the same slices, smaller slots).
+    per = max(1, min(slice_bytes // flat.element_size(), bounds[0][1] - bounds[0][0]))
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    # Reduce-scatter receive slots, one slice each, reused: few, small allocations (a fresh
+    # chunk-sized buffer per call would cost more in page faults than the adds).
+    slots = torch.empty(_WINDOW, per, dtype=flat.dtype, device=flat.device)
+    # ### BEGIN SOLUTION 3.4: pipelined ring all-reduce [guidelines.md#pipelining-the-ring]
+    # Goal: the result and the bytes of 3.3, but streamed: cut each chunk into slices of `per`
+    # elements and never wait for a whole step. A slice is added and sent on at once while the
+    # next ones are still on the wire; receives are posted ahead (up to _WINDOW in `slots`);
+    # the last reduce-scatter step's slices already start the all-gather. W == 1 works too.
+    # Collective: every rank of `group` calls it with the same shape, dtype and slice_bytes.
     if world_size > 1:
-        bounds = chunk_bounds(flat.numel(), world_size)
-        per = max(1, slice_bytes // flat.element_size())
-        right, left = (rank + 1) % world_size, (rank - 1) % world_size
         sends = []  # waited for at the very end: a sent slice is never written again
 
         def send(lo: int, hi: int, tag: int) -> None:
@@ -209,13 +235,11 @@ def ring_allreduce_pipelined(tensor: torch.Tensor, op: str = "sum", group: dist.
         gathers = [(step, lo, hi, dist.irecv(flat[lo:hi], group=group, group_src=left, tag=_AG))
                    for step in range(world_size - 1)
                    for lo, hi in _slices(*bounds[(rank - step - 1) % world_size], per)]
-        # Reduce-scatter slices arrive in (step, slice) order into a small window of reused
-        # slot buffers: few, small allocations (a fresh chunk-sized buffer per call would
-        # cost more in page faults than the adds), and `window` receives always posted.
+        # Reduce-scatter slices arrive in (step, slice) order into the window of slots,
+        # `window` receives always posted.
         incoming = [(step, lo, hi) for step in range(world_size - 1)
                     for lo, hi in _slices(*bounds[(rank - step - 2) % world_size], per)]
         window = min(_WINDOW, len(incoming))
-        slots = torch.empty(window, per, dtype=flat.dtype, device=flat.device)
 
         def post(i: int):
             _, lo, hi = incoming[i]
@@ -242,49 +266,7 @@ def ring_allreduce_pipelined(tensor: torch.Tensor, op: str = "sum", group: dist.
             work.wait()
     elif op == "avg":
         flat /= world_size
+    # ### END SOLUTION 3.4
     if not tensor.is_contiguous():
         tensor.copy_(flat.view(tensor.shape))
     return tensor
-
-
-# --------------------------------------------------------------------------- demo
-def main(argv: list[str] | None = None) -> None:
-    from benchmarks.common import median, time_repeats
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_bytes, format_table, log0
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[0.25, 4, 16])
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        torch.set_num_threads(1)  # one core per rank for the adds; gloo's I/O threads need the rest
-        W = env.world_size
-        contenders = {"ring": ring_allreduce, "ring pipelined": ring_allreduce_pipelined,
-                      "dist.all_reduce": lambda t: dist.all_reduce(t)}
-        # Correctness first: a size that does not divide by W, against the built-in.
-        for name, fn in contenders.items():
-            x = torch.randn(1001, generator=torch.Generator().manual_seed(env.rank)).to(env.device)
-            expected = x.clone()
-            dist.all_reduce(expected)
-            fn(x)
-            torch.testing.assert_close(x, expected)  # summation order differs: float32 rounding
-        log0(f"correct on {W} ranks: ring and pipelined ring match dist.all_reduce (1001 floats)")
-        rows = []
-        for mb in args.sizes_mb:
-            x = torch.randn(int(mb * (1 << 20)) // 4).to(env.device)
-            row = {"size": format_bytes(x.nbytes)}
-            for name, fn in contenders.items():
-                t = median(time_repeats(lambda: fn(x), args.repeats, sync=dist.barrier))
-                row[f"{name} ms"] = f"{t * 1e3:.2f}"
-                row[f"{name} busbw GB/s"] = f"{x.nbytes / t * 2 * (W - 1) / W / 1e9:.2f}"
-            rows.append(row)
-        log0(f"\n== all-reduce on {W} ranks ({env.backend}), median of {args.repeats} ==")
-        log0(format_table(rows))
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,100 @@
+"""Pipeline parallelism: an MLP on digits cut into one stage per rank, GPipe, 1F1B or interleaved 1F1B.
+
+Each rank keeps its stage (or, interleaved, its v chunks) of one seeded MLP and trains
+with the schedule of ``phase2_advanced/pipeline.py`` (exercises 2.12-2.14). The summary
+shows the final loss, the measured bubble (median over the steps) beside the theory
+(p-1)/(v*m+p-1), the peak number of micro-batches in flight on every stage and the
+bytes rank 0 sends per step; a Gantt chart of the last step goes to
+``runs/pipeline_<schedule>_timeline.png``.
+
+    RUN_MODE=pipeline_gpipe ./entrypoint.sh                       # 2 stages; NPROC=4 for 4
+    RUN_MODE=pipeline_1f1b ./entrypoint.sh --microbatches 16
+    RUN_MODE=pipeline_interleaved ./entrypoint.sh --chunks 2
+    IMPL=templates RUN_MODE=pipeline_1f1b ./entrypoint.sh         # the same with your template
+    python -m demos.pipeline --schedule gpipe                     # 1 stage, no torchrun
+
+The schedule is ``--schedule``, else the RUN_MODE's suffix, else 1F1B.
+See phase2_advanced/guidelines_model_parallel.md#pipeline-parallelism.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from distlab.comm import CommLedger
+from distlab.data import digits
+from distlab.launch import init_from_env, shutdown
+from distlab.loader import load
+from distlab.metrics import format_bytes, format_table, log0, median, progress
+from distlab.plots import plot_timeline
+from distlab.todo import run_demo
+
+
+def main(argv: list[str] | None = None) -> None:
+    pp = load("phase2_advanced", "pipeline")
+    schedules = sorted(pp.SCHEDULES)
+    default = os.environ.get("RUN_MODE", "pipeline_1f1b").removeprefix("pipeline_")
+    parser = argparse.ArgumentParser(description="Pipeline-parallel MLP on digits: GPipe, 1F1B or interleaved.")
+    parser.add_argument("--schedule", choices=schedules, default=default if default in schedules else "1f1b")
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers-per-stage", type=int, default=2)
+    parser.add_argument("--chunks", type=int, default=2, help="model chunks per rank (interleaved only)")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--out-dir", default="runs")
+    args = parser.parse_args(argv)
+    env = init_from_env()
+    try:
+        p, m = env.world_size, args.microbatches
+        if m < p:
+            raise ValueError(f"--microbatches {m} < {p} stages: the pipeline would never fill")
+        x_all, y_all = digits("train", flatten=True).tensors
+        v = args.chunks if args.schedule == "interleaved" else 1
+        # Chunk c of this rank is virtual stage c*p + rank of a model cut into p*v pieces.
+        chunks = [pp.build_stage_module(c * p + env.rank, p * v, x_all.shape[1], args.hidden, 10,
+                                        args.layers_per_stage).to(env.device) for c in range(v)]
+        stage = pp.PipelineStage(chunks if v > 1 else chunks[0], (args.batch // m, args.hidden), device=env.device)
+        opt = torch.optim.SGD([q for c in chunks for q in c.parameters()], lr=0.05, momentum=0.9)
+        loss_fn = nn.CrossEntropyLoss()
+        steps = x_all.shape[0] // args.batch
+        log0(f"pipeline ({args.schedule}): {p} stages, {m} micro-batches of {args.batch // m}, "
+             f"{steps} steps/epoch")
+        ledger, loss, bubbles = CommLedger(), None, []
+        for epoch in range(args.epochs):
+            perm = torch.randperm(x_all.shape[0], generator=torch.Generator().manual_seed(epoch))
+            for i in progress(range(steps), desc=f"epoch {epoch}"):
+                idx = perm[i * args.batch:(i + 1) * args.batch]
+                dist.barrier()  # a common start, so the timeline shows the bubble, not skew
+                with ledger:
+                    loss = pp.train_step(stage, opt, args.schedule, x_all[idx].to(env.device),
+                                         y_all[idx].to(env.device), loss_fn, m)
+                sent_step = ledger.sent_bytes()
+                ledger.reset()
+                events = [None] * p
+                dist.all_gather_object(events, stage.events)
+                bubbles.append(pp.measured_bubble([e for evs in events for e in evs], p))
+        all_events = [e for evs in events for e in evs]  # the last step's, from every stage
+        peaks = [None] * p
+        dist.all_gather_object(peaks, stage.peak_in_flight)
+        last_loss = [loss]
+        dist.broadcast_object_list(last_loss, src=p - 1)  # the loss lives on the last stage
+        if env.is_main:
+            path = plot_timeline(all_events, os.path.join(args.out_dir, f"pipeline_{args.schedule}_timeline.png"),
+                                 title=f"{args.schedule}: {p} stages x {v} chunks, {m} micro-batches (last step)")
+            print("\n" + format_table([{
+                "schedule": args.schedule, "stages": p, "micro-batches": m, "final loss": f"{last_loss[0]:.4f}",
+                "bubble (measured, median)": f"{median(bubbles):.1%}",
+                "bubble (theory)": f"{pp.theoretical_bubble(p, m, v):.1%}",
+                "peak in flight per stage": peaks, "p2p sent/step (rank 0)": format_bytes(sent_step)}]))
+            print(f"timeline: {path}")
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    run_demo(main)

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Gradescope runs this once when it builds the autograder image; the bundle made by
+# `python -m distlab.grade --autograder-zip autograder.zip` is unpacked in /autograder/source.
+set -euo pipefail
+cd /autograder/source
+apt-get update -q && apt-get install -y -q python3 python3-pip python3-venv >/dev/null
+python3 -m venv /autograder/venv
+/autograder/venv/bin/pip install -q -r requirements.txt
