@@ -83,9 +83,12 @@ class _OneLine:
         return self.text
 
 
+UNGRADED = "bench"
+
+
 def _exercise(item) -> str:
     marker = item.get_closest_marker("exercise")
-    return marker.args[0] if marker else "bench"
+    return marker.args[0] if marker else UNGRADED
 
 
 def _first_line(excinfo) -> str:
@@ -143,7 +146,8 @@ def exercise_scores(results: dict, weights: dict[str, float] | None = None) -> "
         else:
             s["failures"].append(f"{nodeid}: {r['message']}")
     for name, s in scores.items():
-        s["weight"] = weights.get(name, 1.0)
+        # Tests with no exercise marker check the bench itself: listed, never graded.
+        s["weight"] = 0.0 if name == UNGRADED else weights.get(name, 1.0)
         s["points"] = round(s["weight"] * s["passed"] / s["total"], 2)
     return scores
 
@@ -153,7 +157,7 @@ def gradescope_results(scores: "OrderedDict[str, dict]", results: dict, seconds:
     tests = [{"name": name, "score": s["points"], "max_score": s["weight"], "visibility": "visible",
               "execution_time": round(s["seconds"], 1),
               "output": "\n".join(s["failures"]) or f"all {s['total']} tests passed"}
-             for name, s in scores.items()]
+             for name, s in scores.items() if name != UNGRADED]
     return {"score": round(sum(t["score"] for t in tests), 2), "max_score": sum(t["max_score"] for t in tests),
             "execution_time": round(seconds, 1), "visibility": "visible", "stdout_visibility": "visible",
             "tests": tests, "per_test": results}
@@ -173,7 +177,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for name, s in scores.items():
         todos = sorted(set(re.findall(r"TODO (\d+\.\d+[a-z]?)", "\n".join(s["failures"]))))
         note = f"  <- unfinished: TODO {', '.join(todos)}" if todos else ""
-        tr.write_line(f"{name:<45} {s['passed']:>3}/{s['total']:<3} tests  {s['points']:>5.2f}/{s['weight']:g} points{note}")
+        points = f"  {s['points']:>5.2f}/{s['weight']:g} points" if name != UNGRADED else "  (not graded)"
+        tr.write_line(f"{name:<45} {s['passed']:>3}/{s['total']:<3} tests{points}{note}")
     path = config.getoption("--results-json")
     if path:
         seconds = time.monotonic() - getattr(config, "_distlab_start", time.monotonic())
