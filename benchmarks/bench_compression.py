@@ -41,7 +41,7 @@ def _torch_hooks():
 
 
 def _worker(rank, world_size, epochs):
-    from solutions.phase4_production.compression import train_digits
+    from demos.compression import train_digits
 
     ours, builtin = {}, {}
     for method in ("ddp", "fp16", "bf16", "topk", "powersgd"):

@@ -1,3 +1,5 @@
+# Generated from solutions/phase4_production/checkpoint.py by `python -m distlab.templates --write`.
+# Write your code inside the '--- TODO' regions, in place of their `raise todo(...)`.
 """Checkpoints that survive crashes: atomic, checksummed, verified, complete enough to resume exactly.
 
 A job that runs for days will be killed: a node dies, the scheduler preempts it, a
@@ -45,7 +47,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from distlab.todo import todo
 
 MAGIC = b"DISTLAB-CKPT-1\n"
@@ -76,13 +77,12 @@ def save_file(obj: Any, path: str | Path) -> None:
     Cost: |obj| bytes written once, one fsync of the file and one of the directory.
     """
     path = Path(path)
-    # --- TODO 4.1: atomic, checksummed write ---
-    # 1. Serialise first, in memory: torch.save(obj, io.BytesIO()); payload = buffer.getvalue()
-    #    (an object that cannot be saved then fails before the disk is touched).
-    # 2. header = MAGIC + _HEADER.pack(len(payload), hashlib.sha256(payload).digest())
-    # 3. Write header + payload to a temporary file in the SAME directory
-    #    (path.with_name(f".{path.name}.tmp{os.getpid()}")), f.flush(), os.fsync(f.fileno()).
-    # 4. os.replace(tmp, path), then _fsync_dir(path.parent).
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")  # same directory: rename stays atomic
+    # --- TODO 4.1: atomic checksummed save ---
+    # Goal: `path` holds MAGIC, then the packed (payload length, SHA-256 of the payload) header,
+    # then the payload (``obj`` as torch.save writes it). At every instant a reader finds the
+    # previous complete file or the new complete one, never half of one, and an object that
+    # cannot be saved leaves the disk untouched. Write through `tmp`; on return it is gone.
     raise todo("4.1 atomic checksummed save", "guidelines.md#crash-safe-checkpoints")
     # --- end TODO 4.1 ---
 
@@ -99,14 +99,12 @@ def verify_file(path: str | Path) -> bytes:
         data = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: checkpoint file is missing") from None
-    # --- TODO 4.2: check the header, return the payload ---
-    # Raise CheckpointError with the path and one of these words in the message:
-    #   "not a distlab checkpoint"  data does not start with MAGIC;
-    #   "truncated"                 shorter than HEADER_BYTES, or the payload is not `length` bytes;
-    #   "checksum"                  sha256(payload) differs from the stored digest.
-    # length, digest = _HEADER.unpack_from(data, len(MAGIC)); payload = data[HEADER_BYTES:]
-    raise todo("4.2 verified load", "guidelines.md#crash-safe-checkpoints")
-    # --- end TODO 4.2 ---
+    # --- TODO 4.2a: verified load (header and checksum) ---
+    # Goal: return the payload only if `data` is a whole, intact checkpoint (the format of 4.1);
+    # otherwise raise CheckpointError naming `path` and, in words the caller can match, what is
+    # wrong: "not a distlab checkpoint", "truncated" (header or payload short), or "checksum".
+    raise todo("4.2a verified load (header and checksum)", "guidelines.md#crash-safe-checkpoints")
+    # --- end TODO 4.2a ---
 
 
 def load_file(path: str | Path, map_location: str | torch.device | None = None) -> Any:
@@ -115,11 +113,12 @@ def load_file(path: str | Path, map_location: str | torch.device | None = None) 
     Raises:
         CheckpointError: see ``verify_file``.
     """
-    # --- TODO 4.2: verify, then load safely ---
-    # verify_file(path), then torch.load the payload from an io.BytesIO with map_location
-    # and weights_only=True (tensors and plain containers only: no arbitrary objects).
-    raise todo("4.2 verified load", "guidelines.md#crash-safe-checkpoints")
-    # --- end TODO 4.2 ---
+    # --- TODO 4.2b: verified load (weights_only) ---
+    # Goal: the object `save_file` wrote, on `map_location`, from a verified payload only; and a
+    # file is data, never code: anything but tensors, numbers, strings and plain containers
+    # must be refused when unpickled, not built.
+    raise todo("4.2b verified load (weights_only)", "guidelines.md#crash-safe-checkpoints")
+    # --- end TODO 4.2b ---
 
 
 # --------------------------------------------------------------------------- RNG
@@ -131,25 +130,24 @@ def capture_rng_state() -> dict:
     """
     import numpy as np
 
-    # --- TODO 4.3: capture every generator ---
-    # torch.get_rng_state(); random.getstate(); np.random.get_state() is
-    # (name, keys ndarray, pos, has_gauss, cached_gaussian): store keys as a tensor
-    # (torch.from_numpy(keys.astype("int64"))) and the rest as plain Python numbers;
-    # torch.cuda.get_rng_state_all() when CUDA is available and initialised.
-    raise todo("4.3 RNG state", "guidelines.md#what-a-checkpoint-must-hold")
-    # --- end TODO 4.3 ---
+    # --- TODO 4.3a: RNG state (capture) ---
+    # Goal: a dict from which `restore_rng_state` makes every generator continue exactly where
+    # it is now: torch CPU, Python's random, numpy's global generator (all of its state, the
+    # cached Gaussian included), and CUDA's when it is initialised. It must survive
+    # ``torch.load(weights_only=True)``: tensors and plain Python values only, no ndarrays.
+    raise todo("4.3a RNG state (capture)", "guidelines.md#what-a-checkpoint-must-hold")
+    # --- end TODO 4.3a ---
 
 
 def restore_rng_state(state: dict) -> None:
     """Undo ``capture_rng_state``: every generator continues exactly where it was captured."""
     import numpy as np
 
-    # --- TODO 4.3: restore every generator ---
-    # The inverse of capture_rng_state: torch.set_rng_state, random.setstate,
-    # np.random.set_state((name, keys as uint32 ndarray, pos, has_gauss, cached_gaussian)),
-    # torch.cuda.set_rng_state_all if the state has "cuda".
-    raise todo("4.3 RNG state", "guidelines.md#what-a-checkpoint-must-hold")
-    # --- end TODO 4.3 ---
+    # --- TODO 4.3b: RNG state (restore) ---
+    # Goal: the inverse of `capture_rng_state`: afterwards every generator draws the same
+    # numbers as it would have right after the capture.
+    raise todo("4.3b RNG state (restore)", "guidelines.md#what-a-checkpoint-must-hold")
+    # --- end TODO 4.3b ---
 
 
 # --------------------------------------------------------------------------- manager
@@ -214,11 +212,11 @@ class CheckpointManager:
         return final
 
     def _prune(self) -> None:
-        # --- TODO 4.4: keep the newest `keep` complete checkpoints ---
-        # Complete = a directory step_* not ending in ".tmp"; zero-padded names sort by step.
-        # shutil.rmtree the older ones.
-        raise todo("4.4 checkpoint manager", "guidelines.md#crash-safe-checkpoints")
-        # --- end TODO 4.4 ---
+        # --- TODO 4.4a: checkpoint manager (prune) ---
+        # Goal: delete every complete step directory but the newest `self.keep`. Complete means
+        # published: a staging directory (``*.tmp``) is never counted nor deleted here.
+        raise todo("4.4a checkpoint manager (prune)", "guidelines.md#crash-safe-checkpoints")
+        # --- end TODO 4.4a ---
 
     def latest(self) -> Checkpoint | None:
         """The newest checkpoint whose every file verifies; None when there is none.
@@ -231,10 +229,9 @@ class CheckpointManager:
         """
         if not self.directory.is_dir():
             return None
-        # --- TODO 4.4: the newest checkpoint whose every file verifies ---
-        # Newest first over the complete step_* directories (not "*.tmp"): load_file(meta.pt)
-        # ({"step", "world_size"}), verify_file every rank{r}.pt. On CheckpointError,
-        # warnings.warn(f"skipping checkpoint {path.name}: {exc}; ...") and try the next.
-        # Return Checkpoint(step, world_size, path), or None.
-        raise todo("4.4 checkpoint manager", "guidelines.md#crash-safe-checkpoints")
-        # --- end TODO 4.4 ---
+        # --- TODO 4.4b: checkpoint manager (latest good one) ---
+        # Goal: newest first over the complete step directories, return a `Checkpoint` for the
+        # first one whose meta.pt ({"step", "world_size"}) and every rank's file verify. Skip a
+        # bad one with a warning that names its directory and what is wrong; None if none is good.
+        raise todo("4.4b checkpoint manager (latest good one)", "guidelines.md#crash-safe-checkpoints")
+        # --- end TODO 4.4b ---

@@ -1,3 +1,5 @@
+# Generated from solutions/phase4_production/compression.py by `python -m distlab.templates --write`.
+# Write your code inside the '--- TODO' regions, in place of their `raise todo(...)`.
 """Gradient compression as communication hooks: fewer bytes per step, nearly the same model.
 
 Data parallelism all-reduces every gradient every step: |params| x 4 bytes (fp32)
@@ -9,8 +11,8 @@ that all-reduce. The contract is PyTorch DDP's ``register_comm_hook``:
 ``bucket.buffer()`` is one flat tensor holding the gradients of several parameters
 (``bucket.gradients()`` are views of it, ``bucket.index()`` tells buckets apart,
 useful for per-bucket state); the future's value is the *averaged* flat gradient.
-(Hooks carry real annotations, not ``from __future__ import annotations`` strings:
-DDP checks that the return annotation is ``torch.futures.Future[torch.Tensor]``.)
+(No ``from __future__ import annotations`` here: DDP checks that a hook's return
+annotation is the object ``torch.futures.Future[torch.Tensor]``, not a string.)
 The same hooks plug into torch DDP (``ddp.register_comm_hook(state, hook)``) and
 into a hand-written DDP that hands them a ``SimpleBucket`` (``apply_hook``).
 
@@ -24,13 +26,10 @@ Lossy methods keep what they did not send (**error feedback**, Seide et al. 2014
 Karimireddy et al. 2019) and add it to the next step's gradient, so nothing is lost,
 only delayed. PowerSGD (Vogels et al., NeurIPS 2019) is one step of power iteration
 per training step, **warm-started** from the previous step's Q.
-See phase4_production/guidelines.md#gradient-compression.
-
-Run: ``RUN_MODE=compression ./entrypoint.sh`` (bytes per step and accuracy per method).
+See phase4_production/guidelines.md#gradient-compression; the demo, bytes per step and
+accuracy per method: ``RUN_MODE=compression ./entrypoint.sh``.
 """
-import argparse
 import math
-import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +51,15 @@ def _matching(saved: dict, key, like_shape) -> torch.Tensor | None:
     return t if t is not None and t.shape == like_shape else None
 
 
+def _split(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:  # views: writing them writes flat
+    out, offset = [], 0
+    for shape in shapes:
+        n = torch.Size(shape).numel()
+        out.append(flat[offset:offset + n].view(shape))
+        offset += n
+    return out
+
+
 def _completed(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(t)
@@ -67,9 +75,8 @@ class SimpleBucket:
 
     def __init__(self, index: int, buffer: torch.Tensor, params: list[torch.nn.Parameter],
                  is_last: bool = True) -> None:
-        if buffer.numel() != sum(p.numel() for p in params):
-            raise ValueError(f"bucket buffer has {buffer.numel()} elements but its parameters have "
-                             f"{sum(p.numel() for p in params)}")
+        if buffer.numel() != (total := sum(p.numel() for p in params)):
+            raise ValueError(f"bucket buffer has {buffer.numel()} elements but its parameters have {total}")
         self._index, self._buffer, self._params, self._is_last = index, buffer, params, is_last
 
     def index(self) -> int:
@@ -79,11 +86,7 @@ class SimpleBucket:
         return self._buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        out, offset = [], 0
-        for p in self._params:
-            out.append(self._buffer[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        return out
+        return _split(self._buffer, [p.shape for p in self._params])
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return self._params
@@ -101,10 +104,8 @@ def apply_hook(model: nn.Module, hook, state, bucket_index: int = 0) -> None:
     params = [p for p in model.parameters() if p.grad is not None]
     flat = torch.cat([p.grad.reshape(-1) for p in params])
     averaged = hook(state, SimpleBucket(bucket_index, flat, params)).wait()
-    offset = 0
-    for p in params:
-        p.grad.copy_(averaged[offset:offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
+    for p, mean in zip(params, _split(averaged, [p.shape for p in params])):
+        p.grad.copy_(mean)
 
 
 # --------------------------------------------------------------------------- baseline
@@ -123,12 +124,10 @@ def allreduce_hook(group: dist.ProcessGroup | None,
 def _cast_hook(group: dist.ProcessGroup | None, bucket: dist.GradBucket,
                dtype: torch.dtype) -> torch.futures.Future[torch.Tensor]:
     buffer = bucket.buffer()
-    # --- TODO 4.8: all-reduce in a half type, average back into the buffer ---
-    # 1. compressed = buffer divided by the world size (BEFORE the cast: a sum of W fp16
-    #    values can overflow 65504, a sum of W means cannot), cast to `dtype`.
-    # 2. fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
-    # 3. return fut.then(decompress), where decompress(f) copies f.value()[0] into
-    #    `buffer` (back to its dtype) and returns `buffer`.
+    # --- TODO 4.8: fp16/bf16 compression ---
+    # Goal: a future whose value is `buffer` itself (in place, its own dtype) holding the mean over
+    # `group`, sent in `dtype` (n x 2 bytes, one asynchronous all-reduce) without overflowing 65504.
+    # Divide before the cast: W fp16 gradients summed could overflow 65504; their means cannot.
     raise todo("4.8 fp16/bf16 compression", "guidelines.md#gradient-compression")
     # --- end TODO 4.8 ---
 
@@ -180,13 +179,12 @@ def topk_hook(state: "TopKState", bucket: dist.GradBucket) -> torch.futures.Futu
     buffer = bucket.buffer()
     n, world_size = buffer.numel(), dist.get_world_size(state.group)
     k = max(1, min(n, math.ceil(state.ratio * n)))
-    # --- TODO 4.9: top-k of (gradient + residual), all-gathered, averaged ---
-    # 1. compensated = buffer + _matching(state.residuals, bucket.index(), buffer.shape)
-    #    (if error_feedback and not None; see _matching for why the shape is checked).
-    # 2. indices of the k largest |compensated| (Tensor.topk); values = compensated[indices].
-    # 3. error feedback: residuals[index] = compensated with the sent entries zeroed.
-    # 4. all_gather_single W*k values and W*k indices (as torch.int32: 4 bytes each).
-    # 5. buffer = zeros, index_add_ every rank's values at its indices, divide by world_size.
+    all_values = torch.empty(world_size * k, dtype=buffer.dtype, device=buffer.device)
+    all_indices = torch.empty(world_size * k, dtype=torch.int32, device=buffer.device)
+    # --- TODO 4.9: top-k with error feedback ---
+    # Goal: `buffer` becomes the mean over ranks of each rank's sparse vector: the k entries of
+    # largest magnitude of (its gradient + its residual, found by `_matching`). With error feedback,
+    # what was not sent is the bucket's new residual. Per rank on the wire: k values, k int32 indices.
     raise todo("4.9 top-k with error feedback", "guidelines.md#top-k-with-error-feedback")
     # --- end TODO 4.9 ---
     return _completed(buffer)
@@ -229,129 +227,38 @@ def powersgd_hook(state: "PowerSGDState", bucket: dist.GradBucket) -> torch.futu
     """
     buffer = bucket.buffer()
     world_size, r, idx = dist.get_world_size(state.group), state.rank, bucket.index()
-    # --- TODO 4.10: error feedback, before ---
-    # If state.error_feedback: add _matching(state.errors, idx, buffer.shape) (if not None) to
-    # the buffer in place (torch DDP rebuilds its buckets after step 1: see _matching), and keep
-    # a copy of the result (`compensated`); otherwise compensated = None.
-    raise todo("4.10 PowerSGD", "guidelines.md#powersgd")
-    # --- end TODO 4.10 ---
-    grads = bucket.gradients()
+    grads = bucket.gradients()  # views of `buffer`: writing them writes the bucket
     mats = [(i, g.view(g.shape[0], -1)) for i, g in enumerate(grads)
             if g.dim() > 1 and r * (g.shape[0] + g[0].numel()) < g.numel()]
-    compressed = {i for i, _ in mats}
-    rest = [g for i, g in enumerate(grads) if i not in compressed]
-    if rest:  # uncompressed: one all-reduce for all of them
+    rest = [g for i, g in enumerate(grads) if i not in dict(mats)]  # vectors, small matrices
+    # --- TODO 4.10a: PowerSGD (error feedback in) ---
+    # Goal: with error feedback, add this bucket's saved error (if `_matching` finds one of this
+    # shape) to `buffer`, and keep `compensated`: a copy of what this rank means to send (None
+    # without error feedback), for 4.10b.
+    raise todo("4.10a PowerSGD (error feedback in)", "guidelines.md#powersgd")
+    # --- end TODO 4.10a ---
+    if rest:  # uncompressed, one all-reduce for all of them
         flat = torch.cat([g.reshape(-1) for g in rest])
         dist.all_reduce(flat, group=state.group)
-        flat /= world_size
-        offset = 0
-        for g in rest:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-    if mats:
-        # --- TODO 4.10: one power iteration per matrix m (a x b), warm-started ---
-        # q: _matching(state.qs, (idx, i), (b, r)) if warm_start and not None, else torch.randn(b, r) from a
-        #    torch.Generator seeded state.seed + 1000 * idx + i (the SAME q on every rank).
-        # P = m @ q for every matrix; all-reduce them (one flat tensor), divide by W;
-        # P = _orthonormalize(P); Q = m.t() @ P; all-reduce the Qs (one flat tensor), / W.
-        # m.copy_(P @ Q.t()) writes the approximation into the bucket; remember Q in state.qs.
-        # _split(flat, shapes) cuts a flat tensor back into pieces.
-        raise todo("4.10 PowerSGD", "guidelines.md#powersgd")
-        # --- end TODO 4.10 ---
-    # --- TODO 4.10: error feedback, after ---
-    # state.errors[idx] = compensated - buffer (what this rank meant to send minus the agreed result).
-    raise todo("4.10 PowerSGD", "guidelines.md#powersgd")
-    # --- end TODO 4.10 ---
+        for g, mean in zip(rest, _split(flat / world_size, [g.shape for g in rest])):
+            g.copy_(mean)
+    # --- TODO 4.10b: PowerSGD (power iteration, error out) ---
+    # Goal: each matrix m of `mats` (a x b) becomes P Q^T, the rank-r approximation of the mean over
+    # ranks of m, by one power iteration: two all-reduces in all (every P, then every Q); Q warm-
+    # started from `state.qs[(idx, i)]`, else seeded state.seed + 1000 * idx + i (one Q on all ranks).
+    # Then, with error feedback, the bucket's error = what this rank meant to send - what all agreed on.
+    raise todo("4.10b PowerSGD (power iteration, error out)", "guidelines.md#powersgd")
+    # --- end TODO 4.10b ---
     return _completed(buffer)
 
 
-def _split(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for shape in shapes:
-        n = shape.numel()
-        out.append(flat[offset:offset + n].view(shape))
-        offset += n
-    return out
-
-
-# --------------------------------------------------------------------------- demo
+# --------------------------------------------------------------------------- by name
 def make_hook(method: str, group: dist.ProcessGroup | None = None):
     """(hook, state) for a method name: ddp (torch DDP's own all-reduce, no hook), none, fp16, bf16, topk, powersgd."""
-    if method == "ddp":
-        return None, None
-    if method == "none":
-        return allreduce_hook, group
-    if method == "fp16":
-        return fp16_compress_hook, group
-    if method == "bf16":
-        return bf16_compress_hook, group
-    if method == "topk":
-        return topk_hook, TopKState(ratio=0.1, group=group)
-    if method == "powersgd":
-        return powersgd_hook, PowerSGDState(rank=2, group=group)
-    raise ValueError(f"unknown method {method!r}; choose ddp, none, fp16, bf16, topk or powersgd")
-
-
-def train_digits(method: str, rank: int, world_size: int, epochs: int = 4, global_batch: int = 64,
-                 lr: float = 0.1, seed: int = 0, hook_and_state: tuple | None = None) -> dict:
-    """Train an MLP on digits under torch DDP with ``method``'s hook (or ``hook_and_state``).
-
-    Returns the median bytes per step this rank sent through ``torch.distributed`` (hooks
-    that start uncompressed, like torch's PowerSGD, count from their steady state) and
-    the test accuracy.
-    """
-    from distlab.comm import CommLedger
-    from distlab.data import digits
-
-    train, test = digits("train", flatten=True), digits("test", flatten=True)
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    ddp = nn.parallel.DistributedDataParallel(model)
-    hook, state = hook_and_state or make_hook(method)
-    if hook is not None:
-        ddp.register_comm_hook(state, hook)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
-    x, y = train.tensors
-    per_rank = global_batch // world_size
-    ledger, per_step = CommLedger(), []
-    for epoch in range(epochs):
-        perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed + epoch))
-        for start in range(0, len(y) - global_batch + 1, global_batch):
-            idx = perm[start + rank * per_rank:start + (rank + 1) * per_rank]
-            optimizer.zero_grad(set_to_none=True)
-            with ledger:  # the hooks run inside backward
-                nn.functional.cross_entropy(ddp(x[idx]), y[idx]).backward()
-            optimizer.step()
-            per_step.append(ledger.bytes())
-            ledger.reset()
-    with torch.no_grad():
-        accuracy = (model(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean().item()
-    return {"method": method, "bytes_per_step": statistics.median(per_step), "accuracy": accuracy,
-            "steps": len(per_step)}
-
-
-def main(argv: list[str] | None = None) -> None:
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_bytes, format_table, log0
-
-    parser = argparse.ArgumentParser(description="Gradient compression hooks under torch DDP on digits.")
-    parser.add_argument("--methods", nargs="+", default=["none", "fp16", "bf16", "topk", "powersgd"])
-    parser.add_argument("--epochs", type=int, default=4)
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        rows = []
-        for method in args.methods:
-            result = train_digits(method, env.rank, env.world_size, epochs=args.epochs)
-            rows.append(result)
-            log0(f"{method:>9}: {format_bytes(result['bytes_per_step'])}/step, accuracy {result['accuracy']:.1%}")
-        base = rows[0]["bytes_per_step"] if rows[0]["method"] == "none" else float("nan")
-        log0("\n" + format_table([{"method": r["method"], "bytes/step/rank": format_bytes(r["bytes_per_step"]),
-                                   "vs fp32": f"{r['bytes_per_step'] / base:.3f}x",
-                                   "test accuracy": f"{r['accuracy']:.1%}"} for r in rows]))
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()
+    makers = {"ddp": lambda: (None, None), "none": lambda: (allreduce_hook, group),
+              "fp16": lambda: (fp16_compress_hook, group), "bf16": lambda: (bf16_compress_hook, group),
+              "topk": lambda: (topk_hook, TopKState(ratio=0.1, group=group)),
+              "powersgd": lambda: (powersgd_hook, PowerSGDState(rank=2, group=group))}
+    if method not in makers:
+        raise ValueError(f"unknown method {method!r}; choose ddp, none, fp16, bf16, topk or powersgd")
+    return makers[method]()

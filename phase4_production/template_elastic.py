@@ -1,3 +1,5 @@
+# Generated from solutions/phase4_production/elastic.py by `python -m distlab.templates --write`.
+# Write your code inside the '--- TODO' regions, in place of their `raise todo(...)`.
 """Elastic training: resume at a different world size, and notice a hung peer in seconds.
 
 A job saved by 4 ranks may come back with 3 (a node is gone) or 8 (more were
@@ -71,13 +73,12 @@ class GlobalBatchSampler:
 
     def next_indices(self) -> list[int]:
         """This rank's sample indices for the next step; advances the global position."""
-        # --- TODO 4.5: this rank's slice of the next global batch ---
-        # 1. If fewer than global_batch samples are left in the epoch, start the next
-        #    epoch (epoch += 1, position = 0): the tail is dropped.
-        # 2. perm = torch.randperm(num_samples) with a torch.Generator seeded seed + epoch.
-        # 3. The global batch is perm[position:position + global_batch]; rank r takes its
-        #    r-th contiguous global_batch // world_size of it.
-        # 4. position advances by the GLOBAL batch: that is what makes it world-size free.
+        per_rank = self.global_batch // self.world_size
+        # --- TODO 4.5: resumable global sampler ---
+        # Goal: this rank's `per_rank` indices of the next global batch, as a list. The global
+        # batch is the next `global_batch` entries of this epoch's permutation (seeded seed + epoch,
+        # the tail that no longer fills a global batch dropped), cut into W contiguous slices in
+        # rank order. `position` counts the samples of the epoch taken by ALL ranks together.
         raise todo("4.5 resumable global sampler", "guidelines.md#elastic-training")
         # --- end TODO 4.5 ---
 
@@ -120,10 +121,10 @@ def reshard_flat(pieces: Iterable[tuple[int, int, torch.Tensor]], start: int, en
     dtype = pieces[0][2].dtype if pieces else torch.float32
     out = torch.empty(end - start, dtype=dtype)
     covered = torch.zeros(end - start, dtype=torch.bool)
-    # --- TODO 4.6: copy the overlap of every piece ---
-    # For a piece [p_start, p_end): the overlap with [start, end) is [max(...), min(...)).
-    # Copy it into `out` (offset by start) from `values` (offset by p_start) and mark
-    # `covered`. Pieces that do not overlap contribute nothing.
+    # --- TODO 4.6: reshard flat optimizer state ---
+    # Goal: `out` holds element i of the flat tensor at out[i - start], taken from whichever
+    # piece covers i (pieces come in any order and may miss [start, end) entirely), and
+    # `covered` marks every element written, for the check below.
     raise todo("4.6 reshard flat optimizer state", "guidelines.md#elastic-training")
     # --- end TODO 4.6 ---
     if not bool(covered.all()):
@@ -210,10 +211,11 @@ def heartbeat(timeout_s: float, group: dist.ProcessGroup | None = None) -> None:
         PeerTimeoutError: on rank 0, naming every rank that did not arrive; on the
             others, saying rank 0 did not answer.
     """
-    # --- TODO 4.7: a barrier that times out and names the missing ranks ---
-    # dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s),
-    # wait_all_ranks=True) (wait_all_ranks: report every missing rank, not only the first).
-    # Turn its RuntimeError into PeerTimeoutError(f"rank {rank}: heartbeat timed out after
-    # {timeout_s:g} s: {exc}"), keeping its message: on rank 0 it lists the missing ranks.
+    rank = dist.get_rank(group)
+    # --- TODO 4.7: hung-peer heartbeat ---
+    # Goal: return once every rank of `group` has arrived; after `timeout_s` without them,
+    # raise PeerTimeoutError("rank {rank}: heartbeat timed out after {timeout_s:g} s: ...")
+    # that keeps the backend's own message: on rank 0 it lists EVERY rank that did not come.
+    # gloo only: an NCCL job passes a gloo side group.
     raise todo("4.7 hung-peer heartbeat", "guidelines.md#detecting-a-hung-peer")
     # --- end TODO 4.7 ---

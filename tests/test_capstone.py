@@ -1,8 +1,10 @@
 """The capstone trainer runs every strategy and resumes exactly from its checkpoints.
 
-The script's own ``main()`` runs in ranks started by run_distributed (init_from_env
-adopts the launcher's process group), on tiny settings: a small ViT on 8x8 digits
-for six steps. tests/test_deployment.py runs scripts under torchrun.
+The capstone is the demo of RUN_MODE=imagenet (demos/imagenet.py). Its own ``main()``
+runs in ranks started by run_distributed (init_from_env adopts the launcher's process
+group), on tiny settings: a small ViT on 8x8 digits for six steps. The lesson modules
+it uses come through ``distlab.loader.load``, as do the checkpoints read here.
+tests/test_deployment.py checks the cluster manifests' commands against its parser.
 """
 from __future__ import annotations
 
@@ -12,20 +14,20 @@ import pytest
 import torch
 
 from distlab.launch import run_distributed
-from solutions.phase4_production.checkpoint import CheckpointManager
+from distlab.loader import load
 
 TINY = ["--model", "vit_tiny", "--image-size", "8", "--global-batch", "16", "--max-steps", "6",
         "--warmup-steps", "2", "--lr", "0.05"]
 
 
 def _worker_capstone(rank, world_size, args):
-    from solutions.phase4_production import imagenet_trainer
+    from demos import imagenet
 
-    return imagenet_trainer.main(TINY + args)
+    return imagenet.main(TINY + args)
 
 
 def _final_model(directory: Path) -> dict:
-    ckpt = CheckpointManager(directory).latest()
+    ckpt = load("phase4_production", "checkpoint").CheckpointManager(directory).latest()
     assert ckpt is not None and ckpt.step == 6, f"no final checkpoint at step 6 in {directory}"
     return ckpt.load(0)["engine"]["model"]
 
@@ -37,7 +39,7 @@ def test_capstone_trains_and_checkpoints_with_each_strategy(strategy, tmp_path):
         args += ["--zero-stage", strategy[-1]]
     results = run_distributed(_worker_capstone, 2, args, timeout_s=120)
     assert all(0 <= r["accuracy"] <= 1 and r["loss"] == r["loss"] for r in results)
-    assert CheckpointManager(tmp_path).latest().step == 6
+    assert load("phase4_production", "checkpoint").CheckpointManager(tmp_path).latest().step == 6
 
 
 def test_capstone_resume_is_bit_identical_and_elastic(tmp_path):

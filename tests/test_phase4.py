@@ -5,7 +5,8 @@ the file format, an uninterrupted run for kill-and-resume, a single-process
 ``torch.optim.Adam`` run over the same global batches for elastic resume, explicit
 ``torch.randperm`` batches for the sampler, ``dist.all_reduce`` for the compression
 hooks. The code under test comes from ``load(...)``; the torchrun harness
-(solutions/phase4_production/fault_tolerance.py) loads it the same way.
+(demos/fault_tolerance.py, RUN_MODE=fault_tolerance) and the compression demo's
+``train_digits`` (demos/compression.py) load it the same way.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import json
 import os
 import pickle
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -38,9 +40,21 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _ft():
-    # The harness (no TODOs): it loads checkpoint/elastic through distlab.load itself.
-    import solutions.phase4_production.fault_tolerance as ft
+    # The harness (no TODOs): it loads checkpoint/elastic through distlab.loader.load itself.
+    import demos.fault_tolerance as ft
     return ft
+
+
+# What a rank that stops at an unfinished TODO prints: distlab.todo.run_demo's one line, or
+# the last line of a LearnerTODO traceback.
+_TODO_LINE = re.compile(r"TODO \S+ .*?: not implemented yet \(see [^)]*\)")
+
+
+def _raise_unfinished_todo(outputs: list[str]) -> None:
+    """Turn a torchrun job's unfinished TODO into the LearnerTODO the test reports (one line)."""
+    found = [m.group(0) for out in outputs for m in _TODO_LINE.finditer(out)]
+    if found:
+        raise LearnerTODO(found[-1])
 
 
 # --------------------------------------------------------------------------- 4.1-4.2 files
@@ -342,7 +356,7 @@ def _worker_uninterrupted(rank, world_size, cfg):
 
 
 def _run_torchrun(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
-    dotted = "solutions.phase4_production.fault_tolerance"
+    dotted = "demos.fault_tolerance"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc_per_node=2",
            "--max-restarts=3", "--monitor-interval=0.1", "-m", dotted, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -375,9 +389,7 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
     what = f"kills at steps {crash_steps} of ranks {crash_ranks}"
     proc = _run_torchrun(["--ckpt-dir", str(tmp_path / "ckpt"), "--crash-at-step", *map(str, crash_steps),
                           "--crash-rank", *map(str, crash_ranks), "--out", str(out)], timeout_s=120)
-    todo_lines = [line for line in proc.stdout.splitlines() if "LearnerTODO" in line]
-    if todo_lines:
-        raise LearnerTODO(todo_lines[-1].split("LearnerTODO: ")[-1])
+    _raise_unfinished_todo([proc.stdout])
     assert proc.returncode == 0 and out.is_file(), f"{what}: torchrun exited {proc.returncode}:\n{proc.stdout[-4000:]}"
     # A kill before the first checkpoint (step < ckpt_every) restarts from scratch: no resume.
     expected_resumes = sum(1 for s in crash_steps if s >= cfg.ckpt_every)
@@ -555,9 +567,9 @@ ACCURACY_MARGIN = 0.03  # 3 points of test accuracy on digits (360 images: ~11 i
 
 
 def _worker_digits(rank, world_size, methods):
-    comp = load(PHASE, "compression")
-    results = {method: comp.train_digits(method, rank, world_size) for method in methods}
-    baseline = comp.train_digits("ddp", rank, world_size)  # torch DDP's own all-reduce, no hook
+    from demos.compression import train_digits  # the demo's loop; the hooks come from load(...)
+    results = {method: train_digits(method, rank, world_size) for method in methods}
+    baseline = train_digits("ddp", rank, world_size)  # torch DDP's own all-reduce, no hook
     return baseline, results
 
 
@@ -738,7 +750,7 @@ def test_node_loss_shrinks_the_job_like_resuming_on_fewer_ranks(tmp_path):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1",
                    "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=shrink-{port}",
                    f"--rdzv_conf=is_host={'true' if node == 0 else 'false'},last_call_timeout=1",
-                   "--max-restarts=2", "--monitor-interval=0.1", "-m", "solutions.phase4_production.fault_tolerance",
+                   "--max-restarts=2", "--monitor-interval=0.1", "-m", "demos.fault_tolerance",
                    *args]
             env = dict(os.environ, OMP_NUM_THREADS="1", NODE_RANK=str(node))
             procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -751,9 +763,7 @@ def test_node_loss_shrinks_the_job_like_resuming_on_fewer_ranks(tmp_path):
             except ProcessLookupError:
                 pass
             p.wait()
-    todo_lines = [line for o in outputs for line in o.splitlines() if "LearnerTODO" in line]
-    if todo_lines:
-        raise LearnerTODO(todo_lines[-1].split("LearnerTODO: ")[-1])
+    _raise_unfinished_todo(outputs)
     assert procs[1].returncode != 0 and "node 1 lost at step 15" in outputs[1], outputs[1][-3000:]
     assert procs[0].returncode == 0 and out.is_file(), f"node 0 exited {procs[0].returncode}:\n{outputs[0][-4000:]}"
     assert "saved by 2 ranks, now 1" in outputs[0], outputs[0][-3000:]

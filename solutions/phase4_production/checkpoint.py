@@ -74,11 +74,16 @@ def save_file(obj: Any, path: str | Path) -> None:
     Cost: |obj| bytes written once, one fsync of the file and one of the directory.
     """
     path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")  # same directory: rename stays atomic
+    # ### BEGIN SOLUTION 4.1: atomic checksummed save [guidelines.md#crash-safe-checkpoints]
+    # Goal: `path` holds MAGIC, then the packed (payload length, SHA-256 of the payload) header,
+    # then the payload (``obj`` as torch.save writes it). At every instant a reader finds the
+    # previous complete file or the new complete one, never half of one, and an object that
+    # cannot be saved leaves the disk untouched. Write through `tmp`; on return it is gone.
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     payload = buffer.getvalue()
     header = MAGIC + _HEADER.pack(len(payload), hashlib.sha256(payload).digest())
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")  # same directory: rename stays atomic
     with open(tmp, "wb") as f:
         f.write(header)
         f.write(payload)
@@ -86,6 +91,7 @@ def save_file(obj: Any, path: str | Path) -> None:
         os.fsync(f.fileno())  # the bytes are on disk before the name points at them
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+    # ### END SOLUTION 4.1
 
 
 def verify_file(path: str | Path) -> bytes:
@@ -100,6 +106,10 @@ def verify_file(path: str | Path) -> bytes:
         data = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: checkpoint file is missing") from None
+    # ### BEGIN SOLUTION 4.2a: verified load (header and checksum) [guidelines.md#crash-safe-checkpoints]
+    # Goal: return the payload only if `data` is a whole, intact checkpoint (the format of 4.1);
+    # otherwise raise CheckpointError naming `path` and, in words the caller can match, what is
+    # wrong: "not a distlab checkpoint", "truncated" (header or payload short), or "checksum".
     if not data.startswith(MAGIC):
         raise CheckpointError(f"{path}: not a distlab checkpoint (bad magic header)")
     if len(data) < HEADER_BYTES:
@@ -111,6 +121,7 @@ def verify_file(path: str | Path) -> bytes:
     if hashlib.sha256(payload).digest() != digest:
         raise CheckpointError(f"{path}: checksum mismatch: the file is corrupted")
     return payload
+    # ### END SOLUTION 4.2a
 
 
 def load_file(path: str | Path, map_location: str | torch.device | None = None) -> Any:
@@ -119,10 +130,15 @@ def load_file(path: str | Path, map_location: str | torch.device | None = None) 
     Raises:
         CheckpointError: see ``verify_file``.
     """
+    # ### BEGIN SOLUTION 4.2b: verified load (weights_only) [guidelines.md#crash-safe-checkpoints]
+    # Goal: the object `save_file` wrote, on `map_location`, from a verified payload only; and a
+    # file is data, never code: anything but tensors, numbers, strings and plain containers
+    # must be refused when unpickled, not built.
     payload = verify_file(path)
     # weights_only: tensors, numbers, strings and containers only; a pickle that
     # tries to build any other object is refused instead of executed.
     return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
+    # ### END SOLUTION 4.2b
 
 
 # --------------------------------------------------------------------------- RNG
@@ -134,6 +150,11 @@ def capture_rng_state() -> dict:
     """
     import numpy as np
 
+    # ### BEGIN SOLUTION 4.3a: RNG state (capture) [guidelines.md#what-a-checkpoint-must-hold]
+    # Goal: a dict from which `restore_rng_state` makes every generator continue exactly where
+    # it is now: torch CPU, Python's random, numpy's global generator (all of its state, the
+    # cached Gaussian included), and CUDA's when it is initialised. It must survive
+    # ``torch.load(weights_only=True)``: tensors and plain Python values only, no ndarrays.
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
              "numpy": {"name": name, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
@@ -141,12 +162,16 @@ def capture_rng_state() -> dict:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+    # ### END SOLUTION 4.3a
 
 
 def restore_rng_state(state: dict) -> None:
     """Undo ``capture_rng_state``: every generator continues exactly where it was captured."""
     import numpy as np
 
+    # ### BEGIN SOLUTION 4.3b: RNG state (restore) [guidelines.md#what-a-checkpoint-must-hold]
+    # Goal: the inverse of `capture_rng_state`: afterwards every generator draws the same
+    # numbers as it would have right after the capture.
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     n = state["numpy"]
@@ -154,6 +179,7 @@ def restore_rng_state(state: dict) -> None:
                          n["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    # ### END SOLUTION 4.3b
 
 
 # --------------------------------------------------------------------------- manager
@@ -218,9 +244,13 @@ class CheckpointManager:
         return final
 
     def _prune(self) -> None:
+        # ### BEGIN SOLUTION 4.4a: checkpoint manager (prune) [guidelines.md#crash-safe-checkpoints]
+        # Goal: delete every complete step directory but the newest `self.keep`. Complete means
+        # published: a staging directory (``*.tmp``) is never counted nor deleted here.
         complete = sorted(p for p in self.directory.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-        for old in complete[:-self.keep]:
+        for old in complete[:-self.keep]:  # zero-padded names: sorting names sorts steps
             shutil.rmtree(old, ignore_errors=True)
+        # ### END SOLUTION 4.4a
 
     def latest(self) -> Checkpoint | None:
         """The newest checkpoint whose every file verifies; None when there is none.
@@ -233,6 +263,10 @@ class CheckpointManager:
         """
         if not self.directory.is_dir():
             return None
+        # ### BEGIN SOLUTION 4.4b: checkpoint manager (latest good one) [guidelines.md#crash-safe-checkpoints]
+        # Goal: newest first over the complete step directories, return a `Checkpoint` for the
+        # first one whose meta.pt ({"step", "world_size"}) and every rank's file verify. Skip a
+        # bad one with a warning that names its directory and what is wrong; None if none is good.
         candidates = sorted((p for p in self.directory.glob("step_*")
                              if p.is_dir() and not p.name.endswith(".tmp")), reverse=True)
         for path in candidates:
@@ -246,3 +280,4 @@ class CheckpointManager:
                 continue
             return Checkpoint(step=int(meta["step"]), world_size=int(meta["world_size"]), path=path)
         return None
+        # ### END SOLUTION 4.4b

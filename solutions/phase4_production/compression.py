@@ -9,8 +9,8 @@ that all-reduce. The contract is PyTorch DDP's ``register_comm_hook``:
 ``bucket.buffer()`` is one flat tensor holding the gradients of several parameters
 (``bucket.gradients()`` are views of it, ``bucket.index()`` tells buckets apart,
 useful for per-bucket state); the future's value is the *averaged* flat gradient.
-(Hooks carry real annotations, not ``from __future__ import annotations`` strings:
-DDP checks that the return annotation is ``torch.futures.Future[torch.Tensor]``.)
+(No ``from __future__ import annotations`` here: DDP checks that a hook's return
+annotation is the object ``torch.futures.Future[torch.Tensor]``, not a string.)
 The same hooks plug into torch DDP (``ddp.register_comm_hook(state, hook)``) and
 into a hand-written DDP that hands them a ``SimpleBucket`` (``apply_hook``).
 
@@ -24,13 +24,10 @@ Lossy methods keep what they did not send (**error feedback**, Seide et al. 2014
 Karimireddy et al. 2019) and add it to the next step's gradient, so nothing is lost,
 only delayed. PowerSGD (Vogels et al., NeurIPS 2019) is one step of power iteration
 per training step, **warm-started** from the previous step's Q.
-See phase4_production/guidelines.md#gradient-compression.
-
-Run: ``RUN_MODE=compression ./entrypoint.sh`` (bytes per step and accuracy per method).
+See phase4_production/guidelines.md#gradient-compression; the demo, bytes per step and
+accuracy per method: ``RUN_MODE=compression ./entrypoint.sh``.
 """
-import argparse
 import math
-import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +48,15 @@ def _matching(saved: dict, key, like_shape) -> torch.Tensor | None:
     return t if t is not None and t.shape == like_shape else None
 
 
+def _split(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:  # views: writing them writes flat
+    out, offset = [], 0
+    for shape in shapes:
+        n = torch.Size(shape).numel()
+        out.append(flat[offset:offset + n].view(shape))
+        offset += n
+    return out
+
+
 def _completed(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(t)
@@ -66,9 +72,8 @@ class SimpleBucket:
 
     def __init__(self, index: int, buffer: torch.Tensor, params: list[torch.nn.Parameter],
                  is_last: bool = True) -> None:
-        if buffer.numel() != sum(p.numel() for p in params):
-            raise ValueError(f"bucket buffer has {buffer.numel()} elements but its parameters have "
-                             f"{sum(p.numel() for p in params)}")
+        if buffer.numel() != (total := sum(p.numel() for p in params)):
+            raise ValueError(f"bucket buffer has {buffer.numel()} elements but its parameters have {total}")
         self._index, self._buffer, self._params, self._is_last = index, buffer, params, is_last
 
     def index(self) -> int:
@@ -78,11 +83,7 @@ class SimpleBucket:
         return self._buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        out, offset = [], 0
-        for p in self._params:
-            out.append(self._buffer[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        return out
+        return _split(self._buffer, [p.shape for p in self._params])
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return self._params
@@ -100,10 +101,8 @@ def apply_hook(model: nn.Module, hook, state, bucket_index: int = 0) -> None:
     params = [p for p in model.parameters() if p.grad is not None]
     flat = torch.cat([p.grad.reshape(-1) for p in params])
     averaged = hook(state, SimpleBucket(bucket_index, flat, params)).wait()
-    offset = 0
-    for p in params:
-        p.grad.copy_(averaged[offset:offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
+    for p, mean in zip(params, _split(averaged, [p.shape for p in params])):
+        p.grad.copy_(mean)
 
 
 # --------------------------------------------------------------------------- baseline
@@ -122,6 +121,9 @@ def allreduce_hook(group: dist.ProcessGroup | None,
 def _cast_hook(group: dist.ProcessGroup | None, bucket: dist.GradBucket,
                dtype: torch.dtype) -> torch.futures.Future[torch.Tensor]:
     buffer = bucket.buffer()
+    # ### BEGIN SOLUTION 4.8: fp16/bf16 compression [guidelines.md#gradient-compression]
+    # Goal: a future whose value is `buffer` itself (in place, its own dtype) holding the mean over
+    # `group`, sent in `dtype` (n x 2 bytes, one asynchronous all-reduce) without overflowing 65504.
     # Divide before the cast: W fp16 gradients summed could overflow 65504; their means cannot.
     compressed = buffer.div(dist.get_world_size(group)).to(dtype)
     fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
@@ -131,6 +133,7 @@ def _cast_hook(group: dist.ProcessGroup | None, bucket: dist.GradBucket,
         return buffer
 
     return fut.then(decompress)
+    # ### END SOLUTION 4.8
 
 
 def fp16_compress_hook(group: dist.ProcessGroup | None,
@@ -180,17 +183,22 @@ def topk_hook(state: "TopKState", bucket: dist.GradBucket) -> torch.futures.Futu
     buffer = bucket.buffer()
     n, world_size = buffer.numel(), dist.get_world_size(state.group)
     k = max(1, min(n, math.ceil(state.ratio * n)))
+    all_values = torch.empty(world_size * k, dtype=buffer.dtype, device=buffer.device)
+    all_indices = torch.empty(world_size * k, dtype=torch.int32, device=buffer.device)
+    # ### BEGIN SOLUTION 4.9: top-k with error feedback [guidelines.md#top-k-with-error-feedback]
+    # Goal: `buffer` becomes the mean over ranks of each rank's sparse vector: the k entries of
+    # largest magnitude of (its gradient + its residual, found by `_matching`). With error feedback,
+    # what was not sent is the bucket's new residual. Per rank on the wire: k values, k int32 indices.
     residual = _matching(state.residuals, bucket.index(), buffer.shape)
     compensated = buffer + residual if (state.error_feedback and residual is not None) else buffer.clone()
     indices = compensated.abs().topk(k, sorted=False).indices
     values = compensated[indices]
     if state.error_feedback:
         state.residuals[bucket.index()] = compensated.index_fill(0, indices, 0)  # compensated - sent
-    all_values = torch.empty(world_size * k, dtype=values.dtype, device=values.device)
-    all_indices = torch.empty(world_size * k, dtype=torch.int32, device=values.device)
     all_gather_single(all_values, values, group=state.group)
     all_gather_single(all_indices, indices.to(torch.int32), group=state.group)
     buffer.zero_().index_add_(0, all_indices.long(), all_values).div_(world_size)
+    # ### END SOLUTION 4.9
     return _completed(buffer)
 
 
@@ -231,23 +239,29 @@ def powersgd_hook(state: "PowerSGDState", bucket: dist.GradBucket) -> torch.futu
     """
     buffer = bucket.buffer()
     world_size, r, idx = dist.get_world_size(state.group), state.rank, bucket.index()
+    grads = bucket.gradients()  # views of `buffer`: writing them writes the bucket
+    mats = [(i, g.view(g.shape[0], -1)) for i, g in enumerate(grads)
+            if g.dim() > 1 and r * (g.shape[0] + g[0].numel()) < g.numel()]
+    rest = [g for i, g in enumerate(grads) if i not in dict(mats)]  # vectors, small matrices
+    # ### BEGIN SOLUTION 4.10a: PowerSGD (error feedback in) [guidelines.md#powersgd]
+    # Goal: with error feedback, add this bucket's saved error (if `_matching` finds one of this
+    # shape) to `buffer`, and keep `compensated`: a copy of what this rank means to send (None
+    # without error feedback), for 4.10b.
     error = _matching(state.errors, idx, buffer.shape)
     if state.error_feedback and error is not None:
         buffer.add_(error)
     compensated = buffer.clone() if state.error_feedback else None
-    grads = bucket.gradients()
-    mats = [(i, g.view(g.shape[0], -1)) for i, g in enumerate(grads)
-            if g.dim() > 1 and r * (g.shape[0] + g[0].numel()) < g.numel()]
-    compressed = {i for i, _ in mats}
-    rest = [g for i, g in enumerate(grads) if i not in compressed]
-    if rest:  # uncompressed: one all-reduce for all of them
+    # ### END SOLUTION 4.10a
+    if rest:  # uncompressed, one all-reduce for all of them
         flat = torch.cat([g.reshape(-1) for g in rest])
         dist.all_reduce(flat, group=state.group)
-        flat /= world_size
-        offset = 0
-        for g in rest:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for g, mean in zip(rest, _split(flat / world_size, [g.shape for g in rest])):
+            g.copy_(mean)
+    # ### BEGIN SOLUTION 4.10b: PowerSGD (power iteration, error out) [guidelines.md#powersgd]
+    # Goal: each matrix m of `mats` (a x b) becomes P Q^T, the rank-r approximation of the mean over
+    # ranks of m, by one power iteration: two all-reduces in all (every P, then every Q); Q warm-
+    # started from `state.qs[(idx, i)]`, else seeded state.seed + 1000 * idx + i (one Q on all ranks).
+    # Then, with error feedback, the bucket's error = what this rank meant to send - what all agreed on.
     if mats:
         qs = []
         for i, m in mats:
@@ -256,111 +270,30 @@ def powersgd_hook(state: "PowerSGDState", bucket: dist.GradBucket) -> torch.futu
                 gen = torch.Generator().manual_seed(state.seed + 1000 * idx + i)
                 q = torch.randn(m.shape[1], r, generator=gen, dtype=m.dtype).to(m.device)
             qs.append(q)
-        ps = [m @ q for (_, m), q in zip(mats, qs)]
-        flat_p = torch.cat([p.reshape(-1) for p in ps])
+        flat_p = torch.cat([(m @ q).reshape(-1) for (_, m), q in zip(mats, qs)])
         dist.all_reduce(flat_p, group=state.group)  # sum of M_w Q over ranks
         flat_p /= world_size
-        ps = [_orthonormalize(p) for p in _split(flat_p, [p.shape for p in ps])]
-        qs = [m.t() @ p for (_, m), p in zip(mats, ps)]
-        flat_q = torch.cat([q.reshape(-1) for q in qs])
+        ps = [_orthonormalize(p) for p in _split(flat_p, [(m.shape[0], r) for _, m in mats])]
+        flat_q = torch.cat([(m.t() @ p).reshape(-1) for (_, m), p in zip(mats, ps)])
         dist.all_reduce(flat_q, group=state.group)  # sum of M_w^T P over ranks
         flat_q /= world_size
-        qs = _split(flat_q, [q.shape for q in qs])
+        qs = _split(flat_q, [(m.shape[1], r) for _, m in mats])
         for (i, m), p, q in zip(mats, ps, qs):
             m.copy_(p @ q.t())  # writes through the view into the bucket buffer
             state.qs[(idx, i)] = q  # warm start: next step's power iteration starts here
     if state.error_feedback:
         state.errors[idx] = compensated - buffer  # what this rank meant to send minus what all agreed on
+    # ### END SOLUTION 4.10b
     return _completed(buffer)
 
 
-def _split(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for shape in shapes:
-        n = shape.numel()
-        out.append(flat[offset:offset + n].view(shape))
-        offset += n
-    return out
-
-
-# --------------------------------------------------------------------------- demo
+# --------------------------------------------------------------------------- by name
 def make_hook(method: str, group: dist.ProcessGroup | None = None):
     """(hook, state) for a method name: ddp (torch DDP's own all-reduce, no hook), none, fp16, bf16, topk, powersgd."""
-    if method == "ddp":
-        return None, None
-    if method == "none":
-        return allreduce_hook, group
-    if method == "fp16":
-        return fp16_compress_hook, group
-    if method == "bf16":
-        return bf16_compress_hook, group
-    if method == "topk":
-        return topk_hook, TopKState(ratio=0.1, group=group)
-    if method == "powersgd":
-        return powersgd_hook, PowerSGDState(rank=2, group=group)
-    raise ValueError(f"unknown method {method!r}; choose ddp, none, fp16, bf16, topk or powersgd")
-
-
-def train_digits(method: str, rank: int, world_size: int, epochs: int = 4, global_batch: int = 64,
-                 lr: float = 0.1, seed: int = 0, hook_and_state: tuple | None = None) -> dict:
-    """Train an MLP on digits under torch DDP with ``method``'s hook (or ``hook_and_state``).
-
-    Returns the median bytes per step this rank sent through ``torch.distributed`` (hooks
-    that start uncompressed, like torch's PowerSGD, count from their steady state) and
-    the test accuracy.
-    """
-    from distlab.comm import CommLedger
-    from distlab.data import digits
-
-    train, test = digits("train", flatten=True), digits("test", flatten=True)
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    ddp = nn.parallel.DistributedDataParallel(model)
-    hook, state = hook_and_state or make_hook(method)
-    if hook is not None:
-        ddp.register_comm_hook(state, hook)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
-    x, y = train.tensors
-    per_rank = global_batch // world_size
-    ledger, per_step = CommLedger(), []
-    for epoch in range(epochs):
-        perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed + epoch))
-        for start in range(0, len(y) - global_batch + 1, global_batch):
-            idx = perm[start + rank * per_rank:start + (rank + 1) * per_rank]
-            optimizer.zero_grad(set_to_none=True)
-            with ledger:  # the hooks run inside backward
-                nn.functional.cross_entropy(ddp(x[idx]), y[idx]).backward()
-            optimizer.step()
-            per_step.append(ledger.bytes())
-            ledger.reset()
-    with torch.no_grad():
-        accuracy = (model(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean().item()
-    return {"method": method, "bytes_per_step": statistics.median(per_step), "accuracy": accuracy,
-            "steps": len(per_step)}
-
-
-def main(argv: list[str] | None = None) -> None:
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_bytes, format_table, log0
-
-    parser = argparse.ArgumentParser(description="Gradient compression hooks under torch DDP on digits.")
-    parser.add_argument("--methods", nargs="+", default=["none", "fp16", "bf16", "topk", "powersgd"])
-    parser.add_argument("--epochs", type=int, default=4)
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        rows = []
-        for method in args.methods:
-            result = train_digits(method, env.rank, env.world_size, epochs=args.epochs)
-            rows.append(result)
-            log0(f"{method:>9}: {format_bytes(result['bytes_per_step'])}/step, accuracy {result['accuracy']:.1%}")
-        base = rows[0]["bytes_per_step"] if rows[0]["method"] == "none" else float("nan")
-        log0("\n" + format_table([{"method": r["method"], "bytes/step/rank": format_bytes(r["bytes_per_step"]),
-                                   "vs fp32": f"{r['bytes_per_step'] / base:.3f}x",
-                                   "test accuracy": f"{r['accuracy']:.1%}"} for r in rows]))
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()
+    makers = {"ddp": lambda: (None, None), "none": lambda: (allreduce_hook, group),
+              "fp16": lambda: (fp16_compress_hook, group), "bf16": lambda: (bf16_compress_hook, group),
+              "topk": lambda: (topk_hook, TopKState(ratio=0.1, group=group)),
+              "powersgd": lambda: (powersgd_hook, PowerSGDState(rank=2, group=group))}
+    if method not in makers:
+        raise ValueError(f"unknown method {method!r}; choose ddp, none, fp16, bf16, topk or powersgd")
+    return makers[method]()

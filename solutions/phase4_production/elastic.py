@@ -70,14 +70,20 @@ class GlobalBatchSampler:
 
     def next_indices(self) -> list[int]:
         """This rank's sample indices for the next step; advances the global position."""
+        per_rank = self.global_batch // self.world_size
+        # ### BEGIN SOLUTION 4.5: resumable global sampler [guidelines.md#elastic-training]
+        # Goal: this rank's `per_rank` indices of the next global batch, as a list. The global
+        # batch is the next `global_batch` entries of this epoch's permutation (seeded seed + epoch,
+        # the tail that no longer fills a global batch dropped), cut into W contiguous slices in
+        # rank order. `position` counts the samples of the epoch taken by ALL ranks together.
         if self.position + self.global_batch > self.num_samples:  # tail dropped: next epoch
             self.epoch += 1
             self.position = 0
         perm = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        per_rank = self.global_batch // self.world_size
         start = self.position + self.rank * per_rank
         self.position += self.global_batch  # every rank advances by the *global* batch
         return perm[start:start + per_rank].tolist()
+        # ### END SOLUTION 4.5
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
@@ -118,11 +124,16 @@ def reshard_flat(pieces: Iterable[tuple[int, int, torch.Tensor]], start: int, en
     dtype = pieces[0][2].dtype if pieces else torch.float32
     out = torch.empty(end - start, dtype=dtype)
     covered = torch.zeros(end - start, dtype=torch.bool)
+    # ### BEGIN SOLUTION 4.6: reshard flat optimizer state [guidelines.md#elastic-training]
+    # Goal: `out` holds element i of the flat tensor at out[i - start], taken from whichever
+    # piece covers i (pieces come in any order and may miss [start, end) entirely), and
+    # `covered` marks every element written, for the check below.
     for p_start, p_end, values in pieces:
         lo, hi = max(start, p_start), min(end, p_end)
         if lo < hi:  # the overlap, in the coordinates of the piece and of the output
             out[lo - start:hi - start] = values[lo - p_start:hi - p_start]
             covered[lo - start:hi - start] = True
+    # ### END SOLUTION 4.6
     if not bool(covered.all()):
         missing = start + int((~covered).nonzero()[0])
         raise ValueError(f"element {missing} of [{start}, {end}) is in none of the saved pieces")
@@ -207,8 +218,14 @@ def heartbeat(timeout_s: float, group: dist.ProcessGroup | None = None) -> None:
         PeerTimeoutError: on rank 0, naming every rank that did not arrive; on the
             others, saying rank 0 did not answer.
     """
+    rank = dist.get_rank(group)
+    # ### BEGIN SOLUTION 4.7: hung-peer heartbeat [guidelines.md#detecting-a-hung-peer]
+    # Goal: return once every rank of `group` has arrived; after `timeout_s` without them,
+    # raise PeerTimeoutError("rank {rank}: heartbeat timed out after {timeout_s:g} s: ...")
+    # that keeps the backend's own message: on rank 0 it lists EVERY rank that did not come.
+    # gloo only: an NCCL job passes a gloo side group.
     try:
         dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
     except RuntimeError as exc:
-        rank = dist.get_rank(group)
         raise PeerTimeoutError(f"rank {rank}: heartbeat timed out after {timeout_s:g} s: {exc}") from None
+    # ### END SOLUTION 4.7

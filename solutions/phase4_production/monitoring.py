@@ -19,11 +19,10 @@ Chrome/Perfetto trace per rank (open at https://ui.perfetto.dev).
 Cost: one gather of 9 floats per rank every ``interval`` steps.
 See phase4_production/guidelines.md#monitoring-and-profiling.
 
-Run: ``RUN_MODE=monitoring ./entrypoint.sh`` (rank 1 made 3x slower: it is named).
+Run: ``RUN_MODE=monitoring ./entrypoint.sh`` (rank 1 made 4x slower: it is named).
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import statistics
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.metrics import peak_memory_bytes
+from distlab.sync import group_root
 
 SECTIONS = ("data", "compute", "comm", "optimizer")
 FIELDS = ("data_s", "compute_s", "comm_s", "optimizer_s", "busy_s", "step_s", "samples_per_s", "loss", "grad_norm",
@@ -83,8 +83,13 @@ def gather_to_rank0(values: list[float], group: dist.ProcessGroup | None = None)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     mine = torch.tensor(values, dtype=torch.float64)
     gathered = [torch.empty_like(mine) for _ in range(world_size)] if rank == 0 else None
-    dist.gather(mine, gathered, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    # ### BEGIN SOLUTION 4.11: gather metrics to rank 0 [guidelines.md#monitoring-and-profiling]
+    # Goal: group rank 0 returns every rank's values as lists, in group rank order; the others
+    # return None. One collective, len(values) x 8 bytes per rank, no pickling; every rank of
+    # `group` calls it. Mind that a destination is named by its GLOBAL rank.
+    dist.gather(mine, gathered, dst=group_root(group), group=group)
     return [t.tolist() for t in gathered] if rank == 0 else None
+    # ### END SOLUTION 4.11
 
 
 def find_stragglers(busy_s: list[float], factor: float = 1.5) -> list[int]:
@@ -94,8 +99,12 @@ def find_stragglers(busy_s: list[float], factor: float = 1.5) -> list[int]:
     """
     if factor <= 1:
         raise ValueError(f"factor must be > 1 (a rank is slow when it takes factor x the median), got {factor}")
+    # ### BEGIN SOLUTION 4.12: straggler detection [guidelines.md#stragglers]
+    # Goal: the ranks (indices of `busy_s`, in order) whose busy time is strictly greater than
+    # `factor` times the median busy time over all ranks.
     median = statistics.median(busy_s)
     return [r for r, t in enumerate(busy_s) if t > factor * median]
+    # ### END SOLUTION 4.12
 
 
 # --------------------------------------------------------------------------- the monitor
@@ -219,7 +228,7 @@ class Monitor:
         """
         out = [None] * self.world_size if self.rank == 0 else None
         mine = [e for step in self.events[-last_steps:] for e in step]
-        dist.gather_object(mine, out, dst=0, group=self.group)
+        dist.gather_object(mine, out, dst=group_root(self.group), group=self.group)
         return [e for events in out for e in events] if out is not None else None
 
 
@@ -248,78 +257,3 @@ def profile(out_dir: str | Path, rank: int, enabled: bool = True, wait: int = 1,
     return torch.profiler.profile(
         activities=activities, schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
         on_trace_ready=lambda prof: prof.export_chrome_trace(str(Path(out_dir) / f"trace_rank{rank}.json")))
-
-
-# --------------------------------------------------------------------------- demo
-def main(argv: list[str] | None = None) -> None:
-    from distlab.data import digits
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_table, log0, progress
-    from distlab.plots import plot_timeline
-
-    parser = argparse.ArgumentParser(description="Per-rank step timing, straggler detection and profiling.")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--interval", type=int, default=20)
-    parser.add_argument("--global-batch", type=int, default=256)
-    parser.add_argument("--slow-rank", type=int, default=1,
-                        help="this rank does --slow-factor x the compute (-1: none)")
-    parser.add_argument("--slow-factor", type=int, default=4)
-    # With 2 ranks the median is the mean of both: a rank r times slower than the other
-    # is 2r/(1+r) times the median, so 1.3 names a rank about 2x slower.
-    parser.add_argument("--straggler-factor", type=float, default=1.3)
-    parser.add_argument("--out-dir", default="runs/monitoring")
-    parser.add_argument("--profile", action="store_true", help="write torch.profiler traces per rank")
-    args = parser.parse_args(argv)
-    env = init_from_env()
-    try:
-        train = digits("train", flatten=True)
-        torch.manual_seed(0)
-        nn = torch.nn
-        model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
-        model = model.to(env.device)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        monitor = Monitor(env.rank, env.world_size, args.out_dir, interval=args.interval,
-                          straggler_factor=args.straggler_factor, device=env.device)
-        per_rank = args.global_batch // env.world_size
-        # The slow rank really computes more (repeats its forward/backward): a delay the timers measure.
-        repeats = args.slow_factor if env.rank == args.slow_rank else 1
-        x_all, y_all = train.tensors
-        with profile(Path(args.out_dir) / "traces", env.rank, enabled=args.profile) as prof:
-            for step in progress(range(args.steps), desc="monitoring"):
-                with monitor.section("data"):
-                    idx = torch.randint(len(y_all), (args.global_batch,), generator=torch.Generator().manual_seed(step))
-                    idx = idx[env.rank * per_rank:(env.rank + 1) * per_rank]
-                    x, y = x_all[idx].to(env.device), y_all[idx].to(env.device)
-                with monitor.section("compute"):
-                    for _ in range(repeats):
-                        optimizer.zero_grad(set_to_none=True)
-                        loss = torch.nn.functional.cross_entropy(model(x), y)
-                        loss.backward()
-                with monitor.section("comm"):
-                    for p in model.parameters():
-                        dist.all_reduce(p.grad)
-                        p.grad /= env.world_size
-                with monitor.section("optimizer"):
-                    optimizer.step()
-                report = monitor.end_step(step, per_rank, loss.item(), grad_norm(model))
-                if report is not None and report.stragglers:
-                    log0(f"\nstep {step}: straggler(s) {report.stragglers}: busy "
-                         + ", ".join(f"rank {s.rank} {s.busy_s * 1e3:.2f} ms" for s in report.ranks))
-                prof.step()
-        events = monitor.gather_events()
-        if env.is_main:
-            last = monitor.reports[-1]
-            log0("\n" + format_table([{"rank": s.rank, "data ms": f"{s.data_s * 1e3:.2f}",
-                                       "compute ms": f"{s.compute_s * 1e3:.2f}", "comm ms": f"{s.comm_s * 1e3:.2f}",
-                                       "optim ms": f"{s.optimizer_s * 1e3:.2f}", "samples/s": f"{s.samples_per_s:.0f}",
-                                       "loss": f"{s.loss:.3f}", "grad norm": f"{s.grad_norm:.3f}",
-                                       "straggler": "YES" if s.rank in last.stragglers else ""} for s in last.ranks]))
-            path = plot_timeline(events, Path(args.out_dir) / "timeline.png", title="last 3 steps per rank")
-            log0(f"wrote {args.out_dir}/metrics.jsonl, metrics.csv, {path}"
-                 + (f", traces in {args.out_dir}/traces" if args.profile else ""))
-    finally:
-        shutdown()
-
-
-if __name__ == "__main__":
-    main()

@@ -15,12 +15,17 @@ restart count (``TORCHELASTIC_RESTART_COUNT``) so the new ranks never read the
 addresses the previous attempt left in the reused store (without it, restarts on gloo
 hang or fail most of the time). The restarted ranks find the last checkpoint and carry on.
 
-This module is the harness: it has no TODOs. It loads ``checkpoint`` and ``elastic``
-through ``distlab.load``, so under ``pytest --impl templates`` it runs the learner's code.
-See phase4_production/guidelines.md#automatic-recovery.
+This module is the harness, and the demo of RUN_MODE=fault_tolerance: it has no TODOs.
+It loads ``checkpoint`` and ``elastic`` through ``distlab.loader.load``, so under
+``IMPL=templates`` (and ``pytest --impl templates``, whose tests run it) it runs the
+learner's code. See phase4_production/guidelines.md#automatic-recovery.
 
-Run: ``RUN_MODE=fault_tolerance MAX_RESTARTS=3 ./entrypoint.sh --crash-at-step 5``
-(rank 1 is SIGKILLed during step 5 on the first attempt; the job restarts and finishes).
+    RUN_MODE=fault_tolerance ./entrypoint.sh --fresh                  # no crash: train, checkpoint
+    RUN_MODE=fault_tolerance MAX_RESTARTS=3 ./entrypoint.sh --crash-at-step 5 --fresh
+    IMPL=templates RUN_MODE=fault_tolerance MAX_RESTARTS=3 ./entrypoint.sh --crash-at-step 5 --fresh
+
+(with ``--crash-at-step 5`` rank 1 is SIGKILLed during step 5 on the first attempt; the
+job restarts, resumes from the checkpoint of step 4 and finishes).
 """
 from __future__ import annotations
 
@@ -36,8 +41,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distlab import load
 from distlab.data import synthetic_classification
+from distlab.loader import load
+from distlab.sync import allreduce_gradients
+from distlab.todo import run_demo
 
 PHASE = "phase4_production"
 
@@ -141,9 +148,7 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> dict[str, torch.Tensor]
         if step == crash_step and cfg.crash_node < 0 and rank == crash_rank:
             print(f"[attempt {_attempt()}] rank {rank}: injected crash (SIGKILL) at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no exception: like a lost node
-        for p in model.parameters():  # data parallel: mean gradient over the global batch
-            dist.all_reduce(p.grad)
-            p.grad /= world_size
+        allreduce_gradients(model.parameters())  # data parallel: mean gradient over the global batch
         optimizer.step()
         scheduler.step()
         if (step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps:
@@ -210,4 +215,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_demo(main)

@@ -4,7 +4,8 @@ One script, from a laptop smoke run to a multi-node GPU job:
 
     RUN_MODE=imagenet ./entrypoint.sh                                  # digits on 2 CPU ranks
     RUN_MODE=imagenet ./entrypoint.sh --strategy zero --zero-stage 3
-    torchrun --nnodes=2 --nproc_per_node=8 ... -m solutions.phase4_production.imagenet_trainer \\
+    IMPL=templates RUN_MODE=imagenet ./entrypoint.sh --strategy ours   # your phase 3 and 4 code
+    torchrun --nnodes=2 --nproc_per_node=8 ... -m demos.imagenet \\
         --model resnet50 --dataset imagefolder --data-root /data/imagenet --amp bf16 --global-batch 2048
 
 * models: torchvision's ResNet-18/50 (a 3x3 stem without max-pool for images of 64 px or
@@ -20,7 +21,10 @@ One script, from a laptop smoke run to a multi-node GPU job:
 * monitoring: per-step time split into data / compute / optimizer, throughput, and a
   summary table at the end.
 
-See phase4_production/guidelines.md#capstone.
+Every lesson module it uses (Phase 3's ``ddp_bucketed``, ``zero``, ``fsdp``; Phase 4's
+``compression``, ``checkpoint``, ``elastic``) comes through ``distlab.loader.load``, so
+``IMPL=templates`` trains with the learner's code, and stops at its first unfinished TODO.
+See phase4_production/guidelines.md#capstone and solutions/phase4_production/README.md.
 """
 from __future__ import annotations
 
@@ -34,6 +38,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
+
+from distlab.loader import load
+from distlab.todo import run_demo
 
 STRATEGIES = ("ddp", "ours", "zero", "fsdp")
 MODELS = ("resnet18", "resnet50", "vit_b_16", "vit_tiny")
@@ -140,26 +147,21 @@ class Engine:
             self.model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                                  bucket_cap_mb=cfg.bucket_mb)
             if cfg.compression != "none":
-                from solutions.phase4_production.compression import make_hook
-
-                hook, state = make_hook(cfg.compression)
+                hook, state = load("phase4_production", "compression").make_hook(cfg.compression)
                 self.model.register_comm_hook(state, hook)
             self.optimizer = torch.optim.SGD(self.model.parameters(), **opt_kwargs)
         elif self.kind == "ours":
-            from solutions.phase3_multi_node.ddp_bucketed import DDPBucketed
-
+            DDPBucketed = load("phase3_multi_node", "ddp_bucketed").DDPBucketed
             self.model = DDPBucketed(model, bucket_size_mb=cfg.bucket_mb)
             self.optimizer = torch.optim.SGD(self.model.parameters(), **opt_kwargs)
         elif self.kind == "zero" and cfg.zero_stage < 3:
-            from solutions.phase3_multi_node.zero import ZeroOptimizer
-
+            ZeroOptimizer = load("phase3_multi_node", "zero").ZeroOptimizer
             self.model = model
             self.zero = ZeroOptimizer(model, torch.optim.SGD, stage=cfg.zero_stage, bucket_size_mb=cfg.bucket_mb,
                                       **opt_kwargs)
             self.optimizer = self.zero.optimizer
         elif self.kind == "zero":
-            from solutions.phase3_multi_node.fsdp import FullyShardedDataParallel
-
+            FullyShardedDataParallel = load("phase3_multi_node", "fsdp").FullyShardedDataParallel
             self.model = FullyShardedDataParallel(model, torch.optim.SGD, **opt_kwargs)
             self.optimizer = self.model.optimizer
         else:
@@ -252,8 +254,9 @@ def evaluate(model: nn.Module, dataset: Dataset, device: torch.device, rank: int
 def train(cfg: Config) -> dict:
     from distlab.launch import init_from_env, shutdown
     from distlab.metrics import StepTimer, format_table, log0, progress
-    from solutions.phase4_production.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
-    from solutions.phase4_production.elastic import GlobalBatchSampler
+    checkpoint, elastic = load("phase4_production", "checkpoint"), load("phase4_production", "elastic")
+    CheckpointManager, GlobalBatchSampler = checkpoint.CheckpointManager, elastic.GlobalBatchSampler
+    capture_rng_state, restore_rng_state = checkpoint.capture_rng_state, checkpoint.restore_rng_state
 
     env = init_from_env()
     try:
@@ -351,4 +354,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_demo(main)
