@@ -147,14 +147,22 @@ def test_template_imports_no_solution_and_no_other_template(template):
     assert not bad, f"{template} imports {bad}: templates may use distlab and torch only"
 
 
-@pytest.mark.parametrize("test_file", PHASE_TESTS, ids=lambda p: p.name)
-def test_untouched_templates_fail_with_learner_todo(test_file, tmp_path):
-    out = tmp_path / "results.json"
-    cmd = [sys.executable, "-m", "pytest", str(test_file), "--impl=templates", f"--results-json={out}",
+@pytest.fixture(scope="module")
+def untouched_template_results(request, tmp_path_factory) -> dict:
+    """One pytest run over every selected phase file with --impl=templates (one start-up, not one per file)."""
+    files = sorted({item.callspec.params["test_file"] for item in request.session.items
+                    if item.originalname == "test_untouched_templates_fail_with_learner_todo"})
+    out = tmp_path_factory.mktemp("templates") / "results.json"
+    cmd = [sys.executable, "-m", "pytest", *map(str, files), "--impl=templates", f"--results-json={out}",
            "-q", "-p", "no:cacheprovider", "--timeout=60"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert out.is_file(), f"pytest wrote no results (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
-    per_test = json.loads(out.read_text())["per_test"]
+    return json.loads(out.read_text())["per_test"]
+
+
+@pytest.mark.parametrize("test_file", PHASE_TESTS, ids=lambda p: p.name)
+def test_untouched_templates_fail_with_learner_todo(test_file, untouched_template_results):
+    per_test = {k: v for k, v in untouched_template_results.items() if k.split("::")[0].endswith(test_file.name)}
     assert per_test, f"no tests ran from {test_file.name}"
     problems = []
     for nodeid, r in per_test.items():
