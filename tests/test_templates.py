@@ -241,3 +241,20 @@ print(json.dumps(out))
         if rc != 3 or not re.match(r"TODO \S+ .*: not implemented yet \(see \S+\)$", last) or "Traceback" in output:
             problems.append(f"{module}: exit {rc}, last line {last!r}\n{output[-1500:]}")
     assert not problems, "\n\n".join(problems)
+
+
+LESSONS = sorted(p for p in (REPO / "solutions").glob("phase*/*.py") if p.name != "__init__.py")
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_lesson_module_is_short_and_holds_no_demo(lesson):
+    """A lesson reads top to bottom: under 300 lines, no argparse, printing or plotting (those live in demos/)."""
+    lines = len(lesson.read_text().splitlines())
+    assert lines < 300, f"{lesson.name} has {lines} lines: split it or move demo code to demos/"
+    tree = ast.parse(lesson.read_text())
+    demo_imports = sorted(m for m in _imports(lesson) if m.split(".")[0] in ("argparse", "matplotlib", "tqdm")
+                          or m == "distlab.plots")
+    prints = [n.lineno for n in ast.walk(tree)
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "print"]
+    assert not demo_imports and not prints, \
+        f"{lesson.name}: demo code in a lesson (imports {demo_imports}, print at lines {prints}): move it to demos/"
