@@ -87,6 +87,23 @@ else
   fi
 fi
 
+# Arguments for the mode: empty ones dropped (docker-compose passes RUN_ARGS="" as one), and
+# the checkpointing modes write to $CHECKPOINT_DIR (the compose/cluster shared volume) unless
+# the arguments name a directory themselves.
+mode_args=()
+for a in "$@"; do [[ -n "$a" ]] && mode_args+=("$a"); done
+if [[ -n "${CHECKPOINT_DIR:-}" ]]; then
+  case "$RUN_MODE" in
+    imagenet) flag=--checkpoint-dir ;;
+    fault_tolerance) flag=--ckpt-dir ;;
+    *) flag= ;;
+  esac
+  if [[ -n "$flag" && " ${mode_args[*]-} " != *" $flag"* ]]; then
+    mode_args+=("$flag=$CHECKPOINT_DIR/$RUN_MODE")
+  fi
+fi
+set -- ${mode_args[@]+"${mode_args[@]}"}
+
 echo "entrypoint.sh: RUN_MODE=$RUN_MODE IMPL=$IMPL -> torchrun ${args[*]} -m $module $*" >&2
 if [[ "$IMPL" == "templates" ]]; then
   # Every rank stops at the learner's first unfinished TODO with the same line (exit code 3);

@@ -198,3 +198,58 @@ def test_slurm_script_finds_the_head_node_and_runs_the_capstone():
     _check_module_command([a.replace('"', "") for a in args], "slurm.sbatch")
     out = subprocess.run(["bash", "-n", str(DEPLOYMENT / "slurm.sbatch")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+# --------------------------------------------------------------------------- images and arguments
+def _dockerfile() -> str:
+    return (REPO / "Dockerfile").read_text()
+
+
+def test_dockerfile_builds_a_cpu_and_a_gpu_variant_that_the_manifests_name():
+    text = _dockerfile()
+    assert re.search(r"^FROM python:\$\{PYTHON\}-slim$", text, flags=re.M) and "ARG PYTHON=3.11" in text
+    variants = set(re.findall(r"^\s+(\w+)\) index=", text, flags=re.M))
+    assert variants == {"cpu", "gpu"}, variants
+    # Layer order: requirements (and torch) before the code, so a code edit does not reinstall torch.
+    assert text.index("COPY requirements.txt") < text.index("COPY . .")
+    assert re.search(r'^ENTRYPOINT \["\./entrypoint\.sh"\]$', text, flags=re.M), "exec form, so signals reach torchrun"
+    images = {"docker-compose.yaml": _compose()["x-node"]["image"]}
+    job = yaml.safe_load((DEPLOYMENT / "kubernetes.yaml").read_text())
+    images["kubernetes.yaml"] = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["image"]
+    for where, image in images.items():
+        tag = image.rsplit(":", 1)[-1]
+        assert tag in variants, f"{where} runs {image}, but the Dockerfile builds only {sorted(variants)}"
+    assert images["docker-compose.yaml"].endswith(":cpu") and images["kubernetes.yaml"].endswith(":gpu")
+
+
+def test_dockerignore_keeps_history_and_runs_out_of_the_build_context():
+    ignored = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert {".git", "runs/", ".venv/", "data/"} <= ignored, ignored
+
+
+def _entrypoint_argv(tmp_path, env: dict, args: list[str]) -> list[str]:
+    """What entrypoint.sh hands torchrun, with a stand-in torchrun on PATH that prints its argv."""
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / "torchrun").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@"\n')
+    (fake / "torchrun").chmod(0o755)
+    out = subprocess.run([str(ENTRYPOINT), *args], env={**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", **env},
+                         capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    return lines[lines.index("-m") + 2:]
+
+
+def test_compose_arguments_reach_the_mode_and_checkpoints_go_to_the_shared_volume(tmp_path):
+    env = {"RUN_MODE": "imagenet", "NPROC": "1", "CHECKPOINT_DIR": "/checkpoints"}
+    # docker-compose turns an unset RUN_ARGS into one empty argument: it must not reach argparse.
+    assert _entrypoint_argv(tmp_path, env, [""]) == ["--checkpoint-dir=/checkpoints/imagenet"]
+    assert _entrypoint_argv(tmp_path, env, ["--max-steps", "3", "--checkpoint-dir", "/mine"]) == \
+        ["--max-steps", "3", "--checkpoint-dir", "/mine"]
+    env["RUN_MODE"] = "fault_tolerance"
+    assert _entrypoint_argv(tmp_path, env, []) == ["--ckpt-dir=/checkpoints/fault_tolerance"]
+    env["RUN_MODE"] = "comm"  # a mode that keeps no checkpoints gets none
+    assert _entrypoint_argv(tmp_path, env, ["--numel", "8"]) == ["--numel", "8"]
+    compose = _compose()
+    assert compose["x-node"]["command"] == "${RUN_ARGS:-}", "compose must pass RUN_ARGS to the mode"
