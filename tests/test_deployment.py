@@ -165,9 +165,18 @@ def _check_module_command(args: list[str], where: str) -> None:
         raise AssertionError(f"{where}: {module} rejects {flags}") from None
 
 
+def _manifests(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((DEPLOYMENT / name).read_text()) if d]
+
+
+def _flag(command: list[str], name: str) -> str:
+    return next(c.split("=", 1)[1] for c in command if c.startswith(f"--{name}="))
+
+
 def test_kubernetes_pytorchjob_is_elastic_and_runs_the_capstone():
-    job = yaml.safe_load((DEPLOYMENT / "kubernetes.yaml").read_text())
-    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+    docs = _manifests("kubernetes.yaml")
+    job = next(d for d in docs if d["kind"] == "PyTorchJob")
+    assert job["apiVersion"] == "kubeflow.org/v1"
     elastic = job["spec"]["elasticPolicy"]
     worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
     assert elastic["rdzvBackend"] == "c10d" and elastic["maxRestarts"] >= 1
@@ -178,11 +187,34 @@ def test_kubernetes_pytorchjob_is_elastic_and_runs_the_capstone():
     _check_module_command(command, "kubernetes.yaml")
     gpus = container["resources"]["limits"]["nvidia.com/gpu"]
     assert f"--nproc_per_node={gpus}" in command, "one process per GPU"
+    # Every legal scale of the elastic range must divide the global batch, or a scale-up crashes.
+    batch = int(_flag(command, "global-batch"))
+    for pods in range(elastic["minReplicas"], elastic["maxReplicas"] + 1):
+        assert batch % (pods * gpus) == 0, f"{pods} pods x {gpus} GPUs = {pods * gpus} ranks do not divide {batch}"
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    volumes = {v["name"] for v in worker["template"]["spec"]["volumes"]}
-    assert set(mounts) <= volumes
-    ckpt = next(c for c in command if c.startswith("--checkpoint-dir="))
-    assert ckpt.split("=", 1)[1].startswith(mounts["checkpoints"]), "checkpoints must go to the shared volume"
+    volumes = {v["name"]: v for v in worker["template"]["spec"]["volumes"]}
+    assert set(mounts) <= set(volumes)
+    ckpt = _flag(command, "checkpoint-dir")
+    assert ckpt.startswith(mounts["checkpoints"]), "checkpoints must go to the shared volume"
+    # The claims the job mounts are defined beside it, with the access modes a cluster job needs.
+    claims = {d["metadata"]["name"]: d["spec"]["accessModes"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    ckpt_claim = volumes["checkpoints"]["persistentVolumeClaim"]["claimName"]
+    data_claim = volumes["data"]["persistentVolumeClaim"]["claimName"]
+    assert claims.get(ckpt_claim) == ["ReadWriteMany"], f"{ckpt_claim}: every pod writes, any pod resumes"
+    assert claims.get(data_claim) in (["ReadOnlyMany"], ["ReadWriteMany"]), f"{data_claim}: read by every pod"
+
+
+def test_trainjob_variant_runs_the_same_capstone():
+    job = _manifests("trainjob.yaml")[0]
+    assert job["apiVersion"] == "trainer.kubeflow.org/v1alpha1" and job["kind"] == "TrainJob"
+    trainer = job["spec"]["trainer"]
+    assert job["spec"]["runtimeRef"]["name"] == "torch-distributed"
+    command = [str(c).split("#")[0].strip() for c in trainer["command"]]
+    _check_module_command(command, "trainjob.yaml")
+    ranks = trainer["numNodes"] * trainer["numProcPerNode"]
+    assert trainer["numProcPerNode"] == trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"]
+    assert int(_flag(command, "global-batch")) % ranks == 0
+    assert trainer["image"].endswith(":gpu")
 
 
 def test_slurm_script_finds_the_head_node_and_runs_the_capstone():
@@ -190,10 +222,17 @@ def test_slurm_script_finds_the_head_node_and_runs_the_capstone():
     directives = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", text, flags=re.M))
     assert directives["ntasks-per-node"] == "1", "one torchrun per node"
     assert "scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1" in text
-    command = " ".join(line.rstrip("\\").strip() for line in text.split("srun --kill-on-bad-exit=1", 1)[1].splitlines()
+    srun = text.split("srun --kill-on-bad-exit=1", 1)[1]
+    command = " ".join(line.rstrip("\\").strip() for line in srun.splitlines()
                        if line.strip() and not line.strip().startswith("#"))
     args = command.split()
+    # srun does not inherit --cpus-per-task from sbatch since SLURM 22.05: it must be passed on.
+    assert args[0] == '--cpus-per-task="$SLURM_CPUS_PER_TASK"' and "export SRUN_CPUS_PER_TASK=" in text
+    args = args[1:]
     assert args[0] == "torchrun" and "--rdzv_backend=c10d" in args
+    # A resubmitted job starts its own run: the checkpoint directory is keyed on the job id.
+    assert any(a.startswith("--checkpoint-dir=") and "$run_id" in a for a in args)
+    assert "run_id=${RESUME_RUN:-$SLURM_JOB_ID}" in text
     assert any(a.startswith("--rdzv_endpoint=\"$head_addr") for a in args)
     _check_module_command([a.replace('"', "") for a in args], "slurm.sbatch")
     out = subprocess.run(["bash", "-n", str(DEPLOYMENT / "slurm.sbatch")], capture_output=True, text=True)
@@ -214,8 +253,9 @@ def test_dockerfile_builds_a_cpu_and_a_gpu_variant_that_the_manifests_name():
     assert text.index("COPY requirements.txt") < text.index("COPY . .")
     assert re.search(r'^ENTRYPOINT \["\./entrypoint\.sh"\]$', text, flags=re.M), "exec form, so signals reach torchrun"
     images = {"docker-compose.yaml": _compose()["x-node"]["image"]}
-    job = yaml.safe_load((DEPLOYMENT / "kubernetes.yaml").read_text())
+    job = _manifests("kubernetes.yaml")[0]
     images["kubernetes.yaml"] = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["image"]
+    images["trainjob.yaml"] = _manifests("trainjob.yaml")[0]["spec"]["trainer"]["image"]
     for where, image in images.items():
         tag = image.rsplit(":", 1)[-1]
         assert tag in variants, f"{where} runs {image}, but the Dockerfile builds only {sorted(variants)}"
