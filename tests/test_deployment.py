@@ -293,3 +293,69 @@ def test_compose_arguments_reach_the_mode_and_checkpoints_go_to_the_shared_volum
     assert _entrypoint_argv(tmp_path, env, ["--numel", "8"]) == ["--numel", "8"]
     compose = _compose()
     assert compose["x-node"]["command"] == "${RUN_ARGS:-}", "compose must pass RUN_ARGS to the mode"
+
+
+# --------------------------------------------------------------------------- Terraform
+TERRAFORM = REPO / "deploy" / "terraform" / "aws"
+
+
+def _hcl() -> dict[str, dict]:
+    import hcl2
+
+    return {p.name: hcl2.loads(p.read_text()) for p in sorted(TERRAFORM.glob("*.tf"))}
+
+
+def _render(template: str, values: dict) -> str:
+    """Terraform's templatefile() for the subset the startup script uses: ${name} and $${ escapes."""
+    missing = sorted(set(re.findall(r"(?<!\$)\$\{(\w+)\}", template)) - set(values))
+    assert not missing, f"startup.sh.tftpl uses {missing}, which main.tf does not pass"
+    text = re.sub(r"(?<!\$)\$\{(\w+)\}", lambda m: str(values[m.group(1)]), template)
+    return text.replace("$${", "${")
+
+
+def test_terraform_files_parse_and_every_variable_is_declared():
+    files = _hcl()
+    assert {"main.tf", "variables.tf", "outputs.tf"} <= set(files)
+    declared = {name.strip('"') for block in files["variables.tf"]["variable"] for name in block}
+    used = set()
+    for path in TERRAFORM.glob("*.tf"):
+        used |= set(re.findall(r"\bvar\.(\w+)", path.read_text()))
+    assert used <= declared, f"undeclared variables: {sorted(used - declared)}"
+    resources = {kind.strip('"') for block in files["main.tf"]["resource"] for kind in block}
+    assert {"aws_instance", "aws_placement_group", "aws_efs_file_system", "aws_efs_mount_target",
+            "aws_security_group"} <= resources, resources
+    main = (TERRAFORM / "main.tf").read_text()
+    passed = set(re.findall(r"^\s+(\w+)\s+=", main.split("locals {")[1].split("\n}\n")[0], flags=re.M))
+    passed |= {"node_rank", "master_addr"}  # merged per node
+    _render((TERRAFORM / "startup.sh.tftpl").read_text(), dict.fromkeys(passed, ""))
+    assert 'strategy = "cluster"' in main, "nodes of one job belong in one cluster placement group"
+
+
+def test_terraform_startup_script_runs_two_nodes_on_loopback(tmp_path):
+    """The rendered user data of node 0 and node 1, in dry-run mode, rendezvous and run a mode."""
+    template = (TERRAFORM / "startup.sh.tftpl").read_text()
+    common = {"node_count": 2, "gpus_per_node": 8, "efs_dns": "fs-0.efs.example", "repo_url": "unused",
+              "repo_ref": "main", "run_mode": "comm", "run_args": "--numel 4096 --repeats 1"}
+    head = tmp_path / "node0.sh"
+    head.write_text(_render(template, {**common, "node_rank": 0, "master_addr": ""}))
+    worker = tmp_path / "node1.sh"
+    worker.write_text(_render(template, {**common, "node_rank": 1, "master_addr": "10.42.1.10"}))
+    port = str(free_port())
+    procs = []
+    try:
+        for rank, script in enumerate([head, worker]):
+            env = {**os.environ, "DISTLAB_DRY_RUN": "1", "DISTLAB_REPO_DIR": str(REPO), "DISTLAB_PORT": port,
+                   "DISTLAB_SHARED": str(tmp_path / "shared"), "DISTLAB_LOG": str(tmp_path / f"node{rank}.log"),
+                   "OMP_NUM_THREADS": "1"}
+            procs.append(subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL, start_new_session=True))
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    logs = [(tmp_path / f"node{r}.log").read_text() for r in range(2)]
+    assert codes == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    assert "--nnodes=2" in logs[0] and f"--rdzv_endpoint=127.0.0.1:{port}" in logs[0], logs[0][-2000:]
+    assert (tmp_path / "shared" / "checkpoints").is_dir()
