@@ -167,3 +167,24 @@ def test_documented_command_matches_the_code(path, lineno, command):
 ])
 def test_the_checker_catches_drift(command, wrong):
     assert wrong in (check(command) or "")
+
+
+def _worker_mismatched_allreduce(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(4 + rank))  # rank 0: 4 elements, rank 1: 5
+
+
+def test_torch_distributed_debug_detail_catches_the_mismatch_the_guide_shows(monkeypatch):
+    """docs/troubleshooting.md quotes this failure: keep the quote true."""
+    from distlab.launch import run_distributed
+
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(_worker_mismatched_allreduce, 2, timeout_s=60)
+    message = str(info.value)
+    assert "Detected mismatch between collectives on ranks" in message, message[:1000]
+    assert "TensorShape=[4]" in message and "TensorShape=[5]" in message
+    guide = (REPO / "docs" / "troubleshooting.md").read_text()
+    assert "Detected mismatch between collectives on ranks. Rank 0 is running collective" in guide
