@@ -91,9 +91,9 @@ def _data_parallel(kind: str, model: nn.Module, rank: int, world_size: int) -> R
             fsdp.step()
             return loss
         mem = fsdp.memory_bytes
-        return Run(step, fsdp.full_state_dict, lambda: sum(mem().values()))
+        return Run(step, lambda: load("phase3_multi_node", "fsdp_state").full_state_dict(fsdp), lambda: sum(mem().values()))
     if kind in ("zero1", "zero2"):
-        zero = load("phase3_multi_node", "zero").ZeroOptimizer(model, torch.optim.SGD, stage=int(kind[-1]), bucket_size_mb=0.05, lr=0.1, momentum=0.9)
+        zero = load("phase3_multi_node", "zero").ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=int(kind[-1]), bucket_size_mb=0.05, lr=0.1, momentum=0.9)
 
         def step(x, y):
             zero.zero_grad()
@@ -233,17 +233,17 @@ def _compression(method: str, model: nn.Module, rank: int, world_size: int) -> R
 
 STRATEGIES = {  # name -> (family, argument)
     "single process": ("dp", "single"),
-    "naive DP (phase 1)": ("dp", "naive"),
-    "DP + accumulation (2)": ("dp", "accumulation"),
-    "bucketed DDP, ours (3)": ("dp", "ours"),
+    "naive DP [phase 1]": ("dp", "naive"),
+    "DP + accumulation [phase 2]": ("dp", "accumulation"),
+    "bucketed DDP, ours [phase 3]": ("dp", "ours"),
     "torch DDP": ("dp", "torch_ddp"),
-    "ZeRO-1 (3)": ("dp", "zero1"),
-    "ZeRO-2 (3)": ("dp", "zero2"),
-    "ZeRO-3 / FSDP (3)": ("dp", "zero3"),
-    "tensor parallel (2)": ("tp", None),
-    "pipeline 1F1B (2)": ("pp", None),
-    "PowerSGD DDP (4)": ("compress", "powersgd"),
-    "fp16 DDP (4)": ("compress", "fp16"),
+    "ZeRO-1 [phase 3]": ("dp", "zero1"),
+    "ZeRO-2 [phase 3]": ("dp", "zero2"),
+    "ZeRO-3 / FSDP [phase 3]": ("dp", "zero3"),
+    "tensor parallel [phase 2]": ("tp", None),
+    "pipeline 1F1B [phase 2]": ("pp", None),
+    "PowerSGD DDP [phase 4]": ("compress", "powersgd"),
+    "fp16 DDP [phase 4]": ("compress", "fp16"),
 }
 
 
@@ -322,10 +322,12 @@ def main(argv: list[str] | None = None) -> dict:
             paths = [plot_loss_curves({n: r["losses"] for n, r in results.items()}, out / "loss_curves.png",
                                       title=f"training loss, {W} ranks"),
                      plot_bars({n: r["bytes_per_step"] for n, r in results.items()}, out / "bytes_per_step.png",
-                               "bytes sent per step, rank 0 (ring estimate)"),
+                               "sent per step", title=f"bytes rank 0 sends per step (ring estimate), {W} ranks",
+                               unit="bytes"),
                      plot_bars({n: r["state_bytes"] for n, r in results.items()}, out / "state_per_rank.png",
-                               "params + grads + optimizer state, rank 0 (bytes)")]
-        timeline = results.get("pipeline 1F1B (2)", {}).get("timeline")
+                               "state per rank", title=f"params + grads + optimizer state on rank 0, {W} ranks",
+                               unit="bytes")]
+        timeline = results.get("pipeline 1F1B [phase 2]", {}).get("timeline")
         if timeline is not None:
             events = [None] * W
             dist.all_gather_object(events, timeline)

@@ -438,3 +438,20 @@ def test_sync_helpers_match_their_definitions(world_size):
     results = run_distributed(_worker_sync_helpers, world_size)
     for rank, params in enumerate(results):
         assert all(torch.equal(a, b) for a, b in zip(params, results[0])), f"rank {rank} differs from rank 0"
+
+
+def test_loss_curves_give_every_series_its_own_style_and_bars_name_their_units(tmp_path):
+    from distlab.plots import curve_styles, plot_bars
+
+    styles = curve_styles(14)  # more series than the 10-colour palette
+    assert len(set(styles)) == 14 and styles[0] == ("black", "-"), styles
+    import matplotlib.pyplot as plt
+
+    seen = {}
+    original = plt.Axes.set_ylabel
+    plt.Axes.set_ylabel = lambda self, text, *a, **k: seen.setdefault("ylabel", text)
+    try:
+        plot_bars({"a": 3 * 2**20, "b": 512 * 2**10}, tmp_path / "bars.png", "sent per step", unit="bytes")
+    finally:
+        plt.Axes.set_ylabel = original
+    assert seen["ylabel"] == "sent per step (MiB)" and (tmp_path / "bars.png").stat().st_size > 0
