@@ -5,7 +5,9 @@ every other block, every block. ``SavedActivationMeter`` counts the bytes autogr
 keeps from forward to backward; the summary shows them against the plain run, an
 estimate of the peak during backward (the saved inputs plus one recomputed block's
 insides), the final loss (equal in all three: the recomputation replays the dropout
-masks) and the time per step.
+masks) and the time per step: the median over the steps after ``--warmup`` untimed ones,
+with its range (the first steps pay one-time costs: without a warm-up the first run looks
+slowest whatever it does, and checkpointing looked faster than it is).
 
     RUN_MODE=activation_checkpointing ./entrypoint.sh                  # the solutions, 2 ranks
     IMPL=templates RUN_MODE=activation_checkpointing ./entrypoint.sh   # your template
@@ -24,7 +26,7 @@ import torch.distributed as dist
 from distlab.data import per_rank_batch, synthetic_tokens
 from distlab.launch import init_from_env, shutdown
 from distlab.loader import load
-from distlab.metrics import format_bytes, format_table, log0, progress
+from distlab.metrics import format_bytes, format_table, log0, median, progress
 from distlab.models import Block, GPTConfig, TinyGPT
 from distlab.sync import allreduce_gradients
 from distlab.testing import shard
@@ -34,6 +36,7 @@ from distlab.todo import run_demo
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Data-parallel TinyGPT with and without activation checkpointing.")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=4, help="untimed steps at the start of each run")
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -42,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     env = init_from_env()
     try:
         local_batch = per_rank_batch(args.global_batch, env.world_size)  # a clear error if it does not divide
+        if not 0 <= args.warmup < args.steps:
+            raise ValueError(f"--warmup {args.warmup} must be below --steps {args.steps}: some steps must be timed")
         cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=args.n_layer, n_head=4, n_embd=64, dropout=0.1)
         data = synthetic_tokens(n_seq=args.steps * args.global_batch, seq_len=32, vocab_size=64, seed=0)
         # What one block saves for backward (its input included), measured on a spare
@@ -60,10 +65,11 @@ def main(argv: list[str] | None = None) -> None:
             model = TinyGPT(cfg).to(env.device)
             wrapped = ac.apply_activation_checkpointing(model.blocks, every) if every else 0
             optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-            saved, start = 0, time.perf_counter()
+            saved, step_s = 0, []
             for step in progress(range(args.steps), desc=f"checkpoint {wrapped}/{cfg.n_layer} blocks"):
                 x, y = (shard(t[step * args.global_batch:(step + 1) * args.global_batch], env.rank,
                               env.world_size).to(env.device) for t in data.tensors)
+                start = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
                 with ac.SavedActivationMeter(model.parameters()) as meter:
                     _, loss = model(x, y)
@@ -71,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
                 loss.backward()
                 allreduce_gradients(model.parameters())  # Phase 1's gradient average
                 optimizer.step()
-            elapsed = time.perf_counter() - start
+                step_s.append(time.perf_counter() - start)
+            timed = sorted(step_s[args.warmup:])
             dist.all_reduce(loss)
             # While backward runs through a checkpointed block, that block's insides are
             # alive again: the peak is the saved inputs plus one recomputed block.
@@ -81,11 +88,12 @@ def main(argv: list[str] | None = None) -> None:
                          "saved fwd->bwd": format_bytes(saved), "vs none": f"{saved / plain:.0%}",
                          "peak in bwd (est.)": format_bytes(peak), "_saved": saved,
                          "final loss": f"{loss.item() / env.world_size:.4f}",
-                         "ms/step": f"{1000 * elapsed / args.steps:.0f}"})
+                         "ms/step (median, range)": f"{1000 * median(timed):.0f} "
+                                                    f"({1000 * timed[0]:.0f}-{1000 * timed[-1]:.0f})"})
         for row in rows:
             del row["_saved"]
         log0(f"\nTinyGPT n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, T={cfg.block_size}, dropout {cfg.dropout}, "
-             f"{env.world_size} ranks, local batch {local_batch}, {args.steps} steps")
+             f"{env.world_size} ranks, local batch {local_batch}, {args.steps} steps ({args.warmup} untimed)")
         log0(format_table(rows))
     finally:
         shutdown()
