@@ -15,6 +15,13 @@
 #   MASTER_PORT   rendezvous port (multi-node; default 29500)
 #   RDZV_ID       job id shared by all nodes of one job (default: distlab)
 #   MAX_RESTARTS  torchrun --max-restarts (default 0)
+#
+# Listening sockets: one node (NNODES=1) listens on 127.0.0.1 only (rendezvous store,
+# gloo, NCCL bootstrap); several nodes listen on MASTER_ADDR (the store) and on the
+# interface GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME names. torchrun runs through
+# `python -m distlab.launch`, which is torchrun with its stores bound to those addresses
+# (TORCHRUN=<command> replaces it, e.g. with plain `torchrun`, at the cost of a store on
+# every interface).
 set -euo pipefail
 
 # mode -> module run with `torchrun -m` (one line each; tests parse this table). Every
@@ -43,6 +50,10 @@ declare -A MODES=(
   [compression]=demos.compression
   [monitoring]=demos.monitoring
   [imagenet]=demos.imagenet
+  [context_parallel]=demos.context_parallel
+  [expert_parallel]=demos.expert_parallel
+  [device_mesh]=demos.device_mesh
+  [sharded_checkpoint]=demos.sharded_checkpoint
 )
 
 valid_modes() { printf '%s\n' "${!MODES[@]}" | sort | tr '\n' ' '; }
@@ -104,6 +115,7 @@ if [[ -n "${CHECKPOINT_DIR:-}" ]]; then
 fi
 set -- ${mode_args[@]+"${mode_args[@]}"}
 
+read -r -a launcher <<< "${TORCHRUN:-python -m distlab.launch}"  # torchrun, bound as said at the top
 echo "entrypoint.sh: RUN_MODE=$RUN_MODE IMPL=$IMPL -> torchrun ${args[*]} -m $module $*" >&2
 if [[ "$IMPL" == "templates" ]]; then
   # Every rank stops at the learner's first unfinished TODO with the same line (exit code 3);
@@ -112,9 +124,9 @@ if [[ "$IMPL" == "templates" ]]; then
   set +e
   todo_filter='import sys; from distlab.todo import TODO_EXIT_CODE, filter_launcher_output as f
 sys.exit(TODO_EXIT_CODE if f(sys.stdin, sys.stderr) else 0)'
-  { torchrun "${args[@]}" -m "$module" "$@" 2>&1 1>&3 3>&- | python -c "$todo_filter" 3>&-
+  { "${launcher[@]}" "${args[@]}" -m "$module" "$@" 2>&1 1>&3 3>&- | python -c "$todo_filter" 3>&-
     statuses=("${PIPESTATUS[@]}"); } 3>&1
   if [[ "${statuses[1]}" == "3" ]]; then exit 3; fi
   exit "${statuses[0]}"
 fi
-exec torchrun "${args[@]}" -m "$module" "$@"
+exec "${launcher[@]}" "${args[@]}" -m "$module" "$@"

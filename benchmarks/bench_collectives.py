@@ -1,16 +1,21 @@
-"""Hand-made collectives (Phase 3) against gloo's built-ins, side by side in one run.
+"""Hand-made all-reduces (Phase 3) against gloo's, and against the loopback bound of the same run.
 
-For W = 2 and 4 CPU ranks (gloo over loopback) and message sizes up to 64 MiB:
+For W = 2 and 4 ranks and messages from 1 KiB (latency-bound: a few microseconds of
+work, the rest is per-message cost) to 256 MiB (bandwidth-bound), on the harness
+(benchmarks/harness.py: rotated order, warm-up, every result checked against
+``dist.all_reduce``'s, slowest rank per repeat, 3 launches):
 
-* all-reduce: ``ring_allreduce`` (step by step), ``ring_allreduce_pipelined``
-  (slices streamed through the ring), ``halving_doubling_allreduce``, and
-  ``dist.all_reduce``;
-* reduce-scatter: ``ring_reduce_scatter`` against ``dist.reduce_scatter``.
+* ``ring_allreduce`` (step by step), ``ring_allreduce_pipelined`` (slices streamed
+  through the ring), ``halving_doubling_allreduce``, and ``dist.all_reduce``;
+* the loopback bound: the ring's own traffic and nothing else, 2(W-1) two-way
+  exchanges of N/W bytes between neighbours (send right, receive left at once), into
+  buffers allocated once. What the transport needs to move the bytes an all-reduce
+  must move: no adds, no allocation. (W=2, 64 MiB: two 32 MiB exchanges.)
 
-Every repeat runs every contender once, in turn (so a burst of load on a shared
-machine hits all of them), between barriers; we keep rank 0's times and report
-medians. Bus bandwidth, the figure comparable across W (nccl-tests' definition):
-all-reduce busbw = bytes / t * 2(W-1)/W; reduce-scatter busbw = bytes / t * (W-1)/W.
+Ratios: time of ours / time of ``dist.all_reduce`` (below 1: ours faster), and time /
+the loopback bound (1 = as fast as moving the bytes allows; above 1: what the adds,
+copies and per-message costs add). Bus bandwidth (nccl-tests' definition, comparable
+across W): bytes / t * 2(W-1)/W. On GPU ranks (NCCL, cuda tensors) the same races run.
 
     python -m benchmarks.bench_collectives [--quick]
 
@@ -19,122 +24,132 @@ writes benchmarks/results/collectives.json and collectives_busbw.png.
 from __future__ import annotations
 
 import argparse
-import time
+import statistics
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import RESULTS, comparison, machine_info, median, write_result
-from distlab.launch import run_distributed
+from benchmarks.common import RESULTS, machine_info, write_result
+from benchmarks.harness import Contender, format_row, launch, load_of, measure, ratio_row
 from distlab.metrics import format_bytes, format_table
 
-MiB = 1 << 20
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [KiB * 4 ** k for k in range(10)]  # 1 KiB ... 256 MiB
+QUICK_SIZES = [4 * KiB, 1 * MiB]
+TABLE_SIZES = [KiB, 16 * MiB, 256 * MiB]  # the rows of the summary: latency-bound, then bandwidth-bound
+BUILTIN, BOUND = "dist.all_reduce", "loopback bound"
+RATIOS = [("ring pipelined", BUILTIN), ("ring", BUILTIN), ("halving-doubling", BUILTIN),
+          ("ring pipelined", BOUND), ("ring", BOUND), (BUILTIN, BOUND)]
 
 
-def _contenders(world_size: int):
+def _inner(nbytes: int) -> int:
+    """Calls per timed window: enough latency-bound calls to outlast the scheduler's noise. The
+    in-place result grows W-fold per call (exactly, in binary, for W = 2 and 4): W^31 stays finite."""
+    return max(1, min(32, 256 * KiB // nbytes))
+
+
+def _repeats(nbytes: int, quick: bool) -> int:
+    if quick:
+        return 4
+    return 15 if nbytes <= MiB else 9 if nbytes <= 16 * MiB else 7
+
+
+def _loopback_exchange(send: torch.Tensor, recv: torch.Tensor, steps: int) -> None:
+    """``steps`` times: send ``send`` to the right neighbour while receiving ``recv`` from the left."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    for _ in range(steps):
+        if dist.get_backend() == "nccl":  # NCCL: the pair in one group, or neighbours deadlock
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right), dist.P2POp(dist.irecv, recv, left)])
+        else:  # gloo: both posted before either is waited on, as the ring does
+            works = [dist.isend(send, right), dist.irecv(recv, left)]
+        for work in works:
+            work.wait()
+
+
+def _worker(rank: int, world_size: int, sizes: list[int], quick: bool) -> dict:
     from solutions.phase3_multi_node import allreduce_algorithms as algos
     from solutions.phase3_multi_node import ring_allreduce as ring
 
-    def gloo_reduce_scatter(t):
-        out = torch.empty(t.numel() // world_size, dtype=t.dtype, device=t.device)
-        dist.reduce_scatter(out, list(t.chunk(world_size)))
-        return out
-
-    allreduce = {"ring": ring.ring_allreduce, "ring pipelined": ring.ring_allreduce_pipelined,
-                 "halving-doubling": algos.halving_doubling_allreduce,
-                 "dist.all_reduce": lambda t: dist.all_reduce(t)}
-    reduce_scatter = {"ring reduce-scatter": ring.ring_reduce_scatter,
-                      "dist.reduce_scatter": gloo_reduce_scatter}
-    return allreduce, reduce_scatter
-
-
-def _worker(rank: int, world_size: int, sizes: list[int], repeats: int) -> dict:
     torch.set_num_threads(1)  # the adds are memory-bound; leave the cores to gloo's I/O threads
-    # With a GPU per rank run_distributed picks NCCL: the same comparison on cuda tensors.
+    # With a GPU per rank run_distributed picks NCCL: the same races on cuda tensors.
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    allreduce, reduce_scatter = _contenders(world_size)
-    contenders = {**allreduce, **reduce_scatter}
-    samples = {name: {} for name in contenders}
+    fns = {BUILTIN: dist.all_reduce, "ring": ring.ring_allreduce, "ring pipelined": ring.ring_allreduce_pipelined,
+           "halving-doubling": algos.halving_doubling_allreduce}
+    out = {"backend": dist.get_backend(), "by_size": {}}
     for nbytes in sizes:
         x = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(rank)).to(device)
-        expected = x.clone()
-        dist.all_reduce(expected)
-        for name, fn in allreduce.items():  # never report the speed of a wrong answer
-            y = x.clone()
-            fn(y)
-            torch.testing.assert_close(y, expected, msg=lambda m: f"{name}, {nbytes} B: {m}")  # float32 rounding
-        for name in contenders:
-            samples[name][nbytes] = []
-        work = x.clone()
-        for rep in range(repeats + 1):  # the first round warms up connections and allocators
-            for name, fn in contenders.items():
-                work.copy_(x)  # the same input every time (in-place results would grow)
-                sync()
-                dist.barrier()
-                start = time.perf_counter()
-                fn(work)
-                sync()
-                dist.barrier()
-                if rep:
-                    samples[name][nbytes].append(time.perf_counter() - start)
-    return {"backend": dist.get_backend(), "samples": samples}
+        contenders = []
+        for name, fn in fns.items():
+            buf = torch.empty_like(x)  # each its own output, so each result is checked, not the last one's
+            contenders.append(Contender(name, run=lambda fn=fn, buf=buf: (fn(buf), buf)[1],
+                                        prepare=lambda buf=buf: buf.copy_(x)))  # the same input every time
+        per = -(-x.numel() // world_size)  # the largest ring chunk
+        send, recv = x[:per], torch.empty(per, dtype=x.dtype, device=device)
+        contenders.append(Contender(BOUND, run=lambda: _loopback_exchange(send, recv, 2 * (world_size - 1)),
+                                    checked=False))
+        # float32 sums in a different order (ring vs gloo's own): assert_close's float32 tolerances.
+        out["by_size"][nbytes] = measure(contenders, BUILTIN, repeats=_repeats(nbytes, quick), warmup=1,
+                                         device=device, inner=_inner(nbytes))
+        del x, contenders, send, recv
+    return out
 
 
-def run(quick: bool = False) -> dict:
-    sizes = [1 * MiB, 16 * MiB] if quick else [256 * 1024, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
-    repeats = 5 if quick else 9
-    result = {"name": "collectives", "machine": machine_info(), "repeats": repeats,
-              "note": "CPU ranks on one machine over loopback (gloo); the machine may be shared, "
-                      "so every repeat interleaves all contenders and medians are reported",
-              "comparisons": {}, "busbw_GBps": {}, "median_s": {}}
+def run(quick: bool = False, out_dir: Path | None = None, launches: int = 3) -> dict:
+    out_dir = Path(out_dir or RESULTS)
+    sizes = QUICK_SIZES if quick else SIZES
+    worlds = (2,) if quick else (2, 4)
+    result = {"name": "collectives", "machine": machine_info(), "launches": launches, "sizes": sizes,
+              "note": "ranks on one machine (gloo over loopback on CPU); every repeat runs every contender in "
+                      "rotated order; a repeat's time is the slowest rank's; rows: median and spread over all "
+                      "repeats of all launches; load = 1-minute load average around the launches",
+              "comparisons": {}, "all_rows": {}, "busbw_GBps": {}}
     series: dict[str, list[tuple[float, float]]] = {}
     rows = []
-    for world_size in (2, 4):
-        out = run_distributed(_worker, world_size, sizes, repeats, timeout_s=600)[0]
-        result["backend"], samples = out["backend"], out["samples"]
-        factor_ar, factor_rs = 2 * (world_size - 1) / world_size, (world_size - 1) / world_size
-        for name, by_size in samples.items():
-            factor = factor_rs if "reduce" in name and "scatter" in name else factor_ar
-            for nbytes, times in by_size.items():
-                t = median(times)
-                busbw = nbytes / t * factor / 1e9
-                key = f"{name} W={world_size} {format_bytes(nbytes)}"
-                result["median_s"][key] = t
-                result["busbw_GBps"][key] = busbw
-                series.setdefault(f"{name} (W={world_size})", []).append((nbytes, busbw))
+    for world_size in worlds:
+        runs = launch(_worker, world_size, sizes, quick, launches=launches, timeout_s=1800)
+        result["backend"] = runs[0]["result"]["backend"]
+        factor = 2 * (world_size - 1) / world_size
         for nbytes in sizes:
-            if nbytes < 16 * MiB:
-                continue
             size = format_bytes(nbytes)
-            for ours, builtin in (("ring pipelined", "dist.all_reduce"), ("ring", "dist.all_reduce"),
-                                  ("halving-doubling", "dist.all_reduce"),
-                                  ("ring reduce-scatter", "dist.reduce_scatter")):
-                c = comparison(samples[ours][nbytes], samples[builtin][nbytes], world_size, size)
-                result["comparisons"][f"{ours} vs {builtin}, W={world_size}, {size}"] = c
-                rows.append({"comparison": f"{ours} / {builtin}", "W": world_size, "size": size,
-                             "ours ms": f"{c['ours'] * 1e3:.1f}", "built-in ms": f"{c['builtin'] * 1e3:.1f}",
-                             "ratio": f"{c['ratio']:.2f}",
-                             "ours busbw GB/s": f"{result['busbw_GBps'][f'{ours} W={world_size} {size}']:.2f}",
-                             "built-in busbw GB/s": f"{result['busbw_GBps'][f'{builtin} W={world_size} {size}']:.2f}"})
+            pick = lambda r, nbytes=nbytes: r["by_size"][nbytes]  # noqa: E731
+            for name in runs[0]["result"]["by_size"][nbytes]["times"]:
+                t = statistics.median(v for r in runs for v in pick(r["result"])["times"][name])
+                busbw = nbytes / t * factor / 1e9
+                result["busbw_GBps"][f"{name} W={world_size} {size}"] = busbw
+                series.setdefault(f"{name} (W={world_size})", []).append((nbytes, busbw))
+            for ours, base in RATIOS:
+                meaning = (f"time of {ours} / {base}" + (" (below 1: ours faster)" if base == BUILTIN else
+                           " (1 = moving the ring's bytes is all it costs)"))
+                row = ratio_row(runs, ours, base, meaning=meaning, world_size=world_size, size=size, key=pick)
+                key = f"{ours} / {base}, W={world_size}, {size}"
+                result["all_rows"][key] = row
+                if nbytes in TABLE_SIZES or quick:
+                    result["comparisons"][key] = row
+                rows.append({"ratio": f"{ours} / {base}", "W": world_size, "size": size,
+                             "ours ms": f"{row['ours'] * 1e3:.3f}", "base ms": f"{row['builtin'] * 1e3:.3f}",
+                             "median [IQR; range; per launch]": format_row(row)})
+        result.setdefault("load", {})[f"W={world_size}"] = load_of(runs)
     from distlab.plots import plot_bandwidth
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    png = plot_bandwidth(series, RESULTS / "collectives_busbw.png",
-                         title=f"bus bandwidth, {result['backend']} ranks ({machine_info().get('gpu') or str(machine_info()['cores']) + ' cores'})")
-    result["plot"] = str(png.relative_to(RESULTS.parent.parent))
+    where = machine_info().get("gpu") or f"{machine_info()['cores']} cores"
+    png = plot_bandwidth(series, out_dir / "collectives_busbw.png",
+                         title=f"all-reduce bus bandwidth, {result['backend']} ranks ({where}); "
+                               "left: latency-bound, right: bandwidth-bound")
+    result["plot"] = png.name
     result["table"] = rows
     return result
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="two sizes, 5 repeats (about a minute)")
+    parser.add_argument("--quick", action="store_true", help="W=2, two sizes, 4 repeats, 3 launches (seconds)")
+    parser.add_argument("--launches", type=int, default=3, help="fresh process groups (>= 3 for a spread)")
     args = parser.parse_args(argv)
-    result = run(quick=args.quick)
+    result = run(quick=args.quick, launches=args.launches)
     path = write_result("collectives", result)
     print(format_table(result["table"]))
-    print(f"ratio = ours / built-in time (below 1: ours is faster); medians of {result['repeats']} repeats")
     print(f"wrote {path} and {RESULTS / 'collectives_busbw.png'}")
 
 

@@ -5,13 +5,17 @@ batch 64 per rank. For each contender: per-rank bytes of parameters, gradients a
 optimizer state at rest (after a step), and the median step time:
 
 * torch DDP + AdamW: the replicated baseline;
-* ours ZeRO-1 / ZeRO-2 (``ZeroOptimizer``) and ``torch.distributed.optim.ZeroRedundancyOptimizer``
+* ours ZeRO-1 (``ZeroOptimizer``) and ``torch.distributed.optim.ZeroRedundancyOptimizer``
   (on top of torch DDP): ours shards a flat buffer, so per-rank optimizer state is
   balanced; torch's assigns whole tensors to ranks;
+* ours ZeRO-2 and FSDP2 with ``reshard_after_forward=False`` (parameters stay gathered
+  between forward and backward, gradients and optimizer state sharded);
 * ours ZeRO-3 (``FullyShardedDataParallel``, one unit per Linear) and FSDP2
   (``torch.distributed.fsdp.fully_shard`` per Linear, then the root), if it runs on gloo CPU.
+Ours also report the peaks their meters sampled at every hook during backward.
 
-Every repeat runs every contender in turn between barriers; rank 0's times, medians.
+Every repeat runs every contender in turn (rotated each repeat) between barriers;
+rank 0's times, medians.
 
     python -m benchmarks.bench_zero [--quick]
 
@@ -71,16 +75,17 @@ def _build(name: str):
                           "optimizer": _state_bytes(getattr(opt, "optim", opt))}
         return ddp, opt.step, lambda: opt.zero_grad(set_to_none=False), memory
     if name.startswith("ours ZeRO-") and name[-1] in "12":
-        zo = ZeroOptimizer(model, torch.optim.AdamW, stage=int(name[-1]), **ADAMW)
-        return model, zo.step, zo.zero_grad, zo.memory_bytes
+        zo = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=int(name[-1]), **ADAMW)
+        return model, zo.step, zo.zero_grad, lambda: {**zo.memory_bytes(), **_peaks(zo)}
     if name == "ours ZeRO-3":
         fsdp = FullyShardedDataParallel(model, torch.optim.AdamW, **ADAMW)
-        return fsdp, fsdp.step, fsdp.zero_grad, fsdp.memory_bytes
-    from torch.distributed.fsdp import fully_shard  # FSDP2
+        return fsdp, fsdp.step, fsdp.zero_grad, lambda: {**fsdp.memory_bytes(), **_peaks(fsdp)}
+    from torch.distributed.fsdp import fully_shard  # FSDP2: reshard after forward = ZeRO-3, without = ZeRO-2
+    reshard = "reshard_after_forward=False" not in name
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     memory = lambda: {"params": _nbytes(model.parameters()),  # noqa: E731
                       "grads": _nbytes(p.grad for p in model.parameters()), "optimizer": _state_bytes(opt)}
@@ -88,7 +93,12 @@ def _build(name: str):
 
 
 CONTENDERS = ["torch DDP + AdamW", "ours ZeRO-1", "torch ZeroRedundancyOptimizer", "ours ZeRO-2",
-              "ours ZeRO-3", "torch FSDP2 (fully_shard)"]
+              "torch FSDP2 (fully_shard, reshard_after_forward=False)", "ours ZeRO-3", "torch FSDP2 (fully_shard)"]
+
+
+def _peaks(wrapper) -> dict[str, int]:
+    """Ours only: the peaks the wrapper's meter sampled at every hook (the torch contenders have no meter)."""
+    return {f"peak {k}": v for k, v in wrapper.memory.peak.items()}
 
 
 def _worker(rank, world_size, steps, repeats):
@@ -116,8 +126,9 @@ def _worker(rank, world_size, steps, repeats):
             del setups[name]
     memory = {name: setups[name][3]() for name in setups}
     samples = {name: [] for name in setups}
-    for _ in range(repeats):
-        for name in setups:
+    for repeat in range(repeats):
+        names = list(setups)
+        for name in names[repeat % len(names):] + names[:repeat % len(names)]:  # rotated: no fixed position
             dist.barrier()
             start = time.perf_counter()
             train(name, steps)
@@ -143,7 +154,7 @@ def run(quick: bool = False) -> dict:
             per_rank = [m["optimizer"] for m in opt_bytes[name]]
             result[f"optimizer_state_split {name}"] = [b / sum(per_rank) for b in per_rank]
     pairs = [("ours ZeRO-1", "torch ZeroRedundancyOptimizer"), ("ours ZeRO-3", "torch FSDP2 (fully_shard)"),
-             ("ours ZeRO-2", "torch ZeroRedundancyOptimizer")]
+             ("ours ZeRO-2", "torch FSDP2 (fully_shard, reshard_after_forward=False)")]
     for ours, builtin in pairs:
         if ours in samples and builtin in samples:
             result["comparisons"][f"{ours} vs {builtin} (step time)"] = comparison(
@@ -157,14 +168,15 @@ def run(quick: bool = False) -> dict:
     for name in samples:
         mems = opt_bytes[name]
         rows.append({"contender": name, "step ms": f"{result['median_step_s'][name] * 1e3:.1f}",
-                     **{k: " / ".join(format_bytes(m[k]) for m in mems) for k in ("params", "grads", "optimizer")}})
+                     **{k: " / ".join(format_bytes(m[k]) for m in mems if k in m)
+                        for k in ("params", "grads", "optimizer", "peak params", "peak grads")}})
     for name, err in errors.items():
         rows.append({"contender": name, "step ms": "did not run", "params": err[:60]})
     result["table"] = rows
     from distlab.plots import plot_bars
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    png = plot_bars({f"{n} r{r}": sum(m.values()) / 2**20 for n in samples for r, m in enumerate(opt_bytes[n])},
+    png = plot_bars({f"{n} r{r}": sum(v for k, v in m.items() if not k.startswith("peak")) / 2**20 for n in samples for r, m in enumerate(opt_bytes[n])},
                     RESULTS / "zero_memory.png", "MiB per rank (params + grads + optimizer state)",
                     f"per-rank memory at rest, W={world_size}")
     result["plot"] = str(png.relative_to(RESULTS.parent.parent))

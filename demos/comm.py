@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from distlab import p2p
 from distlab.comm import CommLedger, reduce_scatter_single
 from distlab.launch import DistEnv, init_from_env, shutdown
 from distlab.loader import load
@@ -58,9 +59,9 @@ def show_primitives(rank: int, world_size: int) -> None:
     show("reduce_scatter(arange(W) + r)", mine.tolist())
     got = torch.zeros(1)
     if world_size > 1 and rank == 0:
-        dist.send(torch.tensor([42.0]), dst=1)
+        p2p.send(torch.tensor([42.0]), 1)  # NCCL-safe point-to-point: distlab/p2p.py
     elif world_size > 1 and rank == 1:
-        dist.recv(got, src=0)
+        p2p.recv(got, 0)
     show("send 42 from 0 to 1 / recv", got.tolist())
 
 

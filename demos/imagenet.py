@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from distlab.loader import load
+from distlab.sync import broadcast_module
 from distlab.todo import run_demo
 
 STRATEGIES = ("ddp", "ours", "zero", "fsdp")
@@ -157,13 +158,15 @@ class Engine:
         elif self.kind == "zero" and cfg.zero_stage < 3:
             ZeroOptimizer = load("phase3_multi_node", "zero").ZeroOptimizer
             self.model = model
-            self.zero = ZeroOptimizer(model, torch.optim.SGD, stage=cfg.zero_stage, bucket_size_mb=cfg.bucket_mb,
-                                      **opt_kwargs)
-            self.optimizer = self.zero.optimizer
+            broadcast_module(model)  # buffers too: ZeroOptimizer broadcasts only the parameters it owns
+            self.zero = ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=cfg.zero_stage,
+                                      bucket_size_mb=cfg.bucket_mb, **opt_kwargs)
+            self.optimizer = self.zero  # a torch Optimizer: the LR scheduler drives it directly
         elif self.kind == "zero":
             FullyShardedDataParallel = load("phase3_multi_node", "fsdp").FullyShardedDataParallel
-            self.model = FullyShardedDataParallel(model, torch.optim.SGD, **opt_kwargs)
+            self.model = FullyShardedDataParallel(model, torch.optim.SGD, **opt_kwargs)  # units: blocks
             self.optimizer = self.model.optimizer
+            self.fsdp_state = load("phase3_multi_node", "fsdp_state")
         else:
             from torch.distributed.fsdp import fully_shard
 
@@ -195,7 +198,7 @@ class Engine:
         if self.kind == "zero" and self.cfg.zero_stage < 3:
             return {"model": self.model.state_dict(), "zero": self.zero.sharded_state_dict()}
         if self.kind == "zero":
-            return {"fsdp": self.model.sharded_state_dict()}
+            return {"fsdp": self.fsdp_state.sharded_state_dict(self.model)}
         raise ValueError("--checkpoint-dir with --strategy fsdp: torch's FSDP2 saves through "
                          "torch.distributed.checkpoint; use ddp, ours or zero for this script's checkpoints")
 
@@ -207,7 +210,7 @@ class Engine:
             self.model.load_state_dict(state["model"])
             self.zero.load_sharded_state_dict(state["zero"])
         else:
-            self.model.load_sharded_state_dict(state["fsdp"])
+            self.fsdp_state.load_sharded_state_dict(self.model, state["fsdp"])
 
 
 def _batches(dataset: Dataset, sampler, steps: int, workers: int, pin_memory: bool):
@@ -240,12 +243,23 @@ def lr_lambda(cfg: Config, total_steps: int):
 @torch.no_grad()
 def evaluate(model: nn.Module, dataset: Dataset, device: torch.device, rank: int, world_size: int,
              batch_size: int = 256) -> float:
-    """Top-1 accuracy over the whole set: each rank scores a strided shard, counts are summed."""
+    """Top-1 accuracy over the whole set: each rank scores a strided shard, counts are summed.
+
+    Collective: forward is one for ZeRO-3/FSDP (and buffer broadcasts), so every rank runs
+    the same number of batches: a rank whose shard is shorter runs padding batches (repeats
+    of its first sample, or of sample 0) that are not counted. Every sample is counted once.
+    """
     model.eval()
     shard = torch.utils.data.Subset(dataset, range(rank, len(dataset), world_size))
-    counts = torch.zeros(2, device=device)
-    for x, y in DataLoader(shard, batch_size=batch_size):
-        counts += torch.tensor([(model(x.to(device)).argmax(1) == y.to(device)).sum().item(), len(y)], device=device)
+    steps = math.ceil(math.ceil(len(dataset) / world_size) / batch_size)  # rank 0's shard is the longest
+    counts = torch.zeros(2, device=device, dtype=torch.float64)  # exact counts up to 2**53 images
+    batches = iter(DataLoader(shard, batch_size=batch_size))
+    pad = dataset[rank if rank < len(dataset) else 0][0].unsqueeze(0)
+    for _ in range(steps):
+        x, y = next(batches, (pad, None))
+        hits = model(x.to(device)).argmax(1)
+        if y is not None:
+            counts += torch.tensor([(hits == y.to(device)).sum().item(), len(y)], device=device)
     model.train()
     dist.all_reduce(counts)
     return (counts[0] / counts[1]).item()

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
             zero = load(PHASE, "fsdp").FullyShardedDataParallel(model, torch.optim.AdamW, compute_dtype=dtype, **kw)
             forward = zero
         else:
-            zero = load(PHASE, "zero").ZeroOptimizer(model, torch.optim.AdamW, stage=args.stage,
+            zero = load(PHASE, "zero").ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=args.stage,
                                                      bucket_size_mb=0.25, **kw)
             forward = model
         inputs, targets = synthetic_tokens(n_seq=1024, seq_len=cfg.block_size, vocab_size=cfg.vocab_size).tensors
@@ -67,9 +67,16 @@ def main(argv: list[str] | None = None) -> None:
                 zero.step()
             first_loss = loss.item() if first_loss is None else first_loss
         elapsed = time.perf_counter() - start
-        mem = zero.memory_bytes()
+        mem, peak = zero.memory_bytes(), zero.memory.peak  # at rest, and the peak sampled at every hook
+        row = {"rank": env.rank, **{k: format_bytes(v) for k, v in mem.items()},
+               **{f"peak {k}": format_bytes(v) for k, v in peak.items()}}
+        if zero.overlap.history:  # stage 2/3: when the first reduce-scatter started in the last backward
+            last = zero.overlap.history[-1]
+            row["first reduce-scatter at hook"] = f"{last['first_launch_hook']}/{last['hooks']}"
+        if zero.memory.peak_cuda:
+            row["cuda max allocated"] = format_bytes(zero.memory.peak_cuda)
         rows = [None] * env.world_size
-        dist.all_gather_object(rows, {"rank": env.rank, **{k: format_bytes(v) for k, v in mem.items()}})
+        dist.all_gather_object(rows, row)
         log0("\n" + format_table(rows))
         traffic = {op: format_bytes(v["bytes"] / args.steps) for op, v in ledger.summary().items()}
         log0("\n" + format_table([{"stage": args.stage, "loss first -> last": f"{first_loss:.3f} -> {loss.item():.3f}",

@@ -99,7 +99,9 @@ class Record:
 
 
 def _unwrap(op):
-    return getattr(op, "__wrapped_by_ledger__", op)
+    while hasattr(op, "__wrapped_by_ledger__"):  # a ledger's wrapper may wrap the hang doctor's
+        op = op.__wrapped_by_ledger__
+    return op
 
 
 class _LedgerP2POp(dist.P2POp):
@@ -145,7 +147,8 @@ class CommLedger:
         all_reduce 2(W-1)/W n; reduce_scatter and all_to_all (W-1)/W n; all_gather
         (W-1) n (n is this rank's input); broadcast, reduce, gather, scatter n;
         send/isend n; recv/irecv 0 (the sender counts them). Nothing when W = 1.
-        This is what makes strategies comparable: ZeRO-1/2 equal DDP, ZeRO-3 is 1.5x.
+        This is what makes strategies comparable: ZeRO-2 equals DDP (reduce-scatter +
+        all-gather); ZeRO-1 done as all-reduce + all-gather and ZeRO-3 are 1.5x.
         """
         total = 0.0
         for r in self.records:
@@ -224,7 +227,7 @@ class CommLedger:
         @functools.wraps(original)
         def wrapper(p2p_op_list):
             for p in p2p_op_list:
-                name = "isend" if p.op is self._saved["isend"] else "irecv"
+                name = "isend" if p.op is _unwrap(self._saved["isend"]) else "irecv"
                 self._record(name, _nbytes(p.tensor), p.group, 0.0, True)
             self._in_batch = True
             try:

@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import uuid
 import zipfile
 from pathlib import Path
 
@@ -48,18 +49,7 @@ def grade(student_dir: str | None, out: str, impl: str = "templates", tests: lis
         if not Path(student_dir).is_dir():
             raise FileNotFoundError(f"--student-dir {student_dir} is not a directory")
         cmd.append(f"--student-dir={os.path.abspath(student_dir)}")
-    # pytest and the ranks it starts share a new session, killed whole on a timeout: nothing outlives grading.
-    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
-    try:
-        returncode = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        returncode = f"killed after {timeout_s:.0f} s"
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+    returncode = run_and_reap(cmd, timeout_s)
     if not Path(out).is_file():
         raise RuntimeError(f"pytest exited ({returncode}) and wrote no {out}: see its output above")
     results = json.loads(Path(out).read_text())
@@ -67,6 +57,32 @@ def grade(student_dir: str | None, out: str, impl: str = "templates", tests: lis
     results["output"] = f"graded {'the copy in ' + student_dir if student_dir else 'this checkout'} (--impl {impl})"
     Path(out).write_text(json.dumps(results, indent=2))
     return results
+
+
+def run_and_reap(cmd: list[str], timeout_s: float) -> int | str:
+    """Run ``cmd`` in the checkout; on a timeout (or any exit) kill it and everything it started.
+
+    pytest runs in a new session, but the ranks and torchrun workers it starts may leave that
+    session (torchrun gives each worker its own), so the whole tree is killed: descendants
+    through /proc and strays through an environment marker every process of the run inherits.
+    Returns the exit code, or "killed after N s".
+    """
+    from distlab.launch import kill_process_tree, marked_environ
+
+    marker = uuid.uuid4().hex
+    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, env=marked_environ(marker))
+    try:
+        returncode: int | str = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        returncode = f"killed after {timeout_s:.0f} s"
+    finally:
+        kill_process_tree(proc.pid, marker)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # what is left of its session
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+    return returncode
 
 
 def student_copy_from_submission(submission: str | Path, dest: str | Path) -> list[str]:

@@ -13,7 +13,14 @@ one launcher every test and demo uses, and it keeps the promises a course needs:
   matching ``send`` raises in seconds; the first rank that raises makes the parent
   raise at once, with the rank in the message and the remote traceback attached;
   a learner's unfinished TODO comes back as one line;
-* leaves nothing behind: every rank is terminated (then killed) in ``finally``.
+* leaves nothing behind: every rank is terminated (then killed) in ``finally``,
+  with the processes it started; a rank dies with its launcher, even one killed by
+  SIGKILL (a thread watching the launcher's pipe; the kernel's parent-death signal wakes
+  a stopped rank), and so do the helper processes it started, in any session;
+* says who hangs: every rank records its last communication ops (``distlab.doctor``);
+  when all ranks sit idle for ``hang_s`` seconds, or on a timeout or a crash, the
+  records are merged into one table that names the rank that never arrived and the op
+  the others wait in ("rank 1 never entered all_reduce #3 (16 B) on WORLD ...").
 
 Workers never read the environment; ``init_from_env`` is the torchrun-side twin:
 it reads RANK/WORLD_SIZE/LOCAL_RANK, picks NCCL when every local rank has a GPU
@@ -23,15 +30,20 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import ctypes
 import gc
 import multiprocessing as mp
 import os
 import re
 import pickle
 import shutil
+import signal
 import socket
+import sys
 import tempfile
+import threading
 import time
+import uuid
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -41,9 +53,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from distlab import doctor
 from distlab.todo import LearnerTODO
 
 _CTX = None
+RUN_MARKER_ENV = "DISTLAB_RUN_ID"  # every process a run starts carries it: found and killed by it
 _IN_RUN_DISTRIBUTED = False  # True inside a rank started by run_distributed
 
 
@@ -99,13 +113,137 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s, env, conn):
+# --------------------------------------------------------------------------- process hygiene
+_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
+
+
+def _prctl(option: int, value: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux: /proc/PID/task/*/children; elsewhere: none known)."""
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo_ = [], _children(pid)
+    while todo_:
+        child = todo_.pop()
+        if child not in found:
+            found.append(child)
+            todo_ += _children(child)
+    return found
+
+
+def _marked(marker: str) -> list[int]:
+    """Processes (of any session) whose environment carries ``marker`` in ``RUN_MARKER_ENV``
+    (a run inside a run appends its own: ``outer:inner``)."""
+    prefix, out = f"{RUN_MARKER_ENV}=".encode(), []
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return out
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                for entry in f.read().split(b"\0"):
+                    if entry.startswith(prefix) and marker.encode() in entry[len(prefix):].split(b":"):
+                        out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def kill_process_tree(root: int | None = None, marker: str | None = None) -> list[int]:
+    """SIGKILL ``root``, its descendants, and every process carrying ``marker`` in its environment.
+
+    torchrun starts each worker in a session of its own, and a rank may start helpers that
+    leave its session, so killing a process group is not enough: descendants are found
+    through /proc (children lists), strays that were re-parented through the marker.
+    Repeats until nothing is left (a process may fork while it is being killed).
+    Returns the pids killed. Never kills the calling process.
+    """
+    killed: list[int] = []
+    for _ in range(5):
+        targets = ([root] if root else []) + (_descendants(root) if root else []) + (_marked(marker) if marker else [])
+        targets = [p for p in dict.fromkeys(targets) if p != os.getpid() and _alive(p)]
+        if not targets:
+            break
+        for pid in targets:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.05)  # let the kernel deliver before looking for new children
+    return killed
+
+
+def _alive(pid: int) -> bool:
+    """Running or stopped (a zombie counts as gone: it only waits to be reaped)."""
+    return _proc_stat(pid)[0] not in ("", "Z", "X")
+
+
+def _proc_stat(pid: int) -> tuple[str, float]:
+    """(state letter, CPU seconds used) from /proc/PID/stat; ("", 0) when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return "", 0.0
+    return fields[0], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def marked_environ(marker: str) -> dict[str, str]:
+    """``os.environ`` plus ``marker`` in RUN_MARKER_ENV, after the markers of enclosing runs:
+    give it to a job's processes, then ``kill_process_tree(marker=marker)`` finds them all."""
+    return {**os.environ, RUN_MARKER_ENV: ":".join(filter(None, [os.environ.get(RUN_MARKER_ENV), marker]))}
+
+
+def _die_with_launcher(alive, marker: str) -> None:
+    """In a rank: die when the launching process does, whatever killed it."""
+    # A stopped rank (SIGSTOP, a debugger) could not notice anything: the kernel sends it SIGCONT
+    # when its parent (the forkserver, which exits with the launcher) dies. Not SIGKILL: the
+    # watch below must first kill the helpers this world started, which would otherwise be
+    # orphaned. As a subreaper the rank also inherits its own orphaned descendants.
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGCONT)
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+    def watch() -> None:  # the launcher holds the other end: EOF means it is gone (or done with us)
+        try:
+            alive.recv_bytes()
+        except (EOFError, OSError):
+            pass
+        kill_process_tree(marker=marker)  # helpers this world started, in any session
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="distlab-launcher-watch", daemon=True).start()
+
+
+def _child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s, env, conn, alive=None,
+           doctor_path=None):
     # The forkserver was started with the environment of an earlier moment; use
     # the launching process's environment as it is now (DISTLAB_IMPL, ...).
     global _IN_RUN_DISTRIBUTED
     _IN_RUN_DISTRIBUTED = True
     os.environ.clear()
     os.environ.update(env)
+    if alive is not None:
+        _die_with_launcher(alive, env[RUN_MARKER_ENV].rsplit(":", 1)[-1])
+    if doctor_path:
+        doctor.install(rank, doctor_path)
     loopback = loopback_interface()
     if loopback and "GLOO_SOCKET_IFNAME" not in env:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback  # local worlds talk over loopback only
@@ -129,6 +267,13 @@ def _child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s
     except Exception as exc:  # e.g. an unpicklable result
         payload = pickle.dumps(("error", "builtins", "RuntimeError", f"could not send the result back: {exc}",
                                 traceback.format_exc(), False))
+    # Helpers this rank started (it is their subreaper) end before the result goes out: once the
+    # launcher has every result it terminates the ranks, and their helpers would be orphaned.
+    for pid in _descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     try:
         conn.send_bytes(payload)
     finally:
@@ -182,7 +327,7 @@ _SECONDARY = ("connection", "closed", "reset", "broken pipe", "timed out", "time
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "auto",
-                    timeout_s: float = 60.0, pg_timeout_s: float | None = None,
+                    timeout_s: float = 60.0, pg_timeout_s: float | None = None, hang_s: float | None = None,
                     **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` fresh ranks.
 
@@ -191,10 +336,14 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
         world_size: number of ranks, >= 1.
         backend: "gloo", "nccl" or "auto" (NCCL when there is a GPU per rank).
         timeout_s: the whole run's deadline; ranks still running then are killed
-            and ``TimeoutError`` names them.
+            and ``TimeoutError`` names them (with the hang doctor's table).
         pg_timeout_s: the process group's timeout, after which a collective or
             recv without a peer raises inside the rank (default: ``timeout_s``/2,
             at most 30 s, so the rank's own error arrives before the deadline).
+        hang_s: when every unfinished rank has sat idle this long (no CPU, no new
+            communication op) and the ranks' records name a culprit, raise
+            ``HangError`` with the doctor's table at once (default: 5 s, at most
+            ``pg_timeout_s``/2; 0 turns the doctor's watch off).
 
     Returns:
         The ranks' return values, in rank order.
@@ -202,47 +351,106 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
     Raises:
         The first failing rank's exception (same type where it is a built-in one,
         ``LearnerTODO`` for unfinished template code, ``RankError`` otherwise),
-        with the rank and its traceback in the message.
+        with the rank and its traceback in the message; ``distlab.doctor.HangError``
+        (a ``RuntimeError``) for a diagnosed hang or mismatched collective.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     backend = resolve_backend(backend, world_size)
     if pg_timeout_s is None:
         pg_timeout_s = min(30.0, max(2.0, timeout_s / 2))
+    if hang_s is None:
+        hang_s = min(5.0, pg_timeout_s / 2)  # long enough that a descheduled rank on a busy machine is not a hang
     ctx = _context()
     tmpdir = tempfile.mkdtemp(prefix="distlab-")
     store_path = os.path.join(tmpdir, "store")
-    procs, readers = [], []
-    env = dict(os.environ)
+    procs, readers, alive = [], [], []
+    marker = uuid.uuid4().hex
+    env = marked_environ(marker)
+    doctor_paths = [os.path.join(tmpdir, f"doctor.{rank}") for rank in range(world_size)]
+    failed = False
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
+            alive_r, alive_w = ctx.Pipe(duplex=False)  # we never write: the rank sees EOF when we are gone
             p = ctx.Process(target=_child, name=f"rank{rank}", daemon=True,
                             args=(fn, rank, world_size, args, kwargs, backend, store_path,
-                                  pg_timeout_s, env, writer))
+                                  pg_timeout_s, env, writer, alive_r, doctor_paths[rank]))
             p.start()
             writer.close()
+            alive_r.close()
             procs.append(p)
             readers.append(reader)
-        return _collect(procs, readers, timeout_s)
+            alive.append(alive_w)
+        return _collect(procs, readers, timeout_s, _Watch(procs, doctor_paths, hang_s))
+    except BaseException:
+        failed = True
+        raise
     finally:
         for p in procs:
             if p.is_alive():
                 p.terminate()
+                if p.pid and _proc_stat(p.pid)[0] in ("T", "t"):  # stopped: SIGTERM waits for SIGCONT
+                    p.kill()
         for p in procs:
             p.join(timeout=2)
             if p.is_alive():
                 p.kill()
                 p.join()
-        for r in readers:
-            r.close()
+        for c in readers + alive:
+            c.close()
+        if failed:  # helpers a rank started that outlived it (the normal path reaps them in the rank)
+            kill_process_tree(marker=marker)
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def _collect(procs, readers, timeout_s: float) -> list[Any]:
+class _Watch:
+    """The parent's side of the hang doctor: ranks' idleness, their records, the diagnosis."""
+
+    def __init__(self, procs, paths, hang_s: float) -> None:
+        self.procs, self.paths, self.hang_s = procs, paths, hang_s
+        now = time.monotonic()
+        self.busy_at = [now] * len(procs)  # when each rank last used CPU or recorded an op
+        self.seen = [(0.0, -1)] * len(procs)
+
+    def states(self, finished: dict[int, str]) -> dict[int, str]:
+        out = dict(finished)
+        for rank, p in enumerate(self.procs):
+            if rank not in out and p.pid and _proc_stat(p.pid)[0] in ("T", "t"):
+                out[rank] = "stopped (SIGSTOP?)"
+        return out
+
+    def records(self) -> dict[int, list[dict]]:
+        return {rank: doctor.read_records(path) for rank, path in enumerate(self.paths)}
+
+    def hung(self, pending: set[int], finished: dict[int, str]) -> BaseException | None:
+        """A HangError when every pending rank has been idle ``hang_s`` and the records name a culprit."""
+        if self.hang_s <= 0:
+            return None
+        now, records = time.monotonic(), self.records()
+        for rank in pending:
+            state, cpu = _proc_stat(self.procs[rank].pid)
+            last = records[rank][-1]["i"] if records[rank] else -1
+            cpu_then, last_then = self.seen[rank]
+            # idle: under 5% of a core since the last look, and no new op (a blocked gloo call uses ~0)
+            if state not in ("T", "t") and (cpu - cpu_then > 0.05 * max(1.0, now - self.busy_at[rank])
+                                            or last != last_then):
+                self.busy_at[rank] = now
+            self.seen[rank] = (cpu, last)
+        if any(now - self.busy_at[r] < self.hang_s for r in pending):
+            return None
+        return self.diagnosis(records, finished, "hang")
+
+    def diagnosis(self, records, finished: dict[int, str], what: str) -> BaseException | None:
+        findings, table = doctor.diagnose(records, self.states(finished), len(self.procs))
+        return doctor.HangError(doctor.report(findings, table, what)) if findings else None
+
+
+def _collect(procs, readers, timeout_s: float, watch: _Watch) -> list[Any]:
     deadline = time.monotonic() + timeout_s
     results: dict[int, Any] = {}
     errors: dict[int, BaseException] = {}
+    finished: dict[int, str] = {}  # rank -> how it ended, for the doctor's table
     pending = set(range(len(procs)))
 
     def receive(rank: int) -> None:
@@ -254,23 +462,33 @@ def _collect(procs, readers, timeout_s: float) -> list[Any]:
             code = procs[rank].exitcode
             how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             errors[rank] = RankError(f"rank {rank} died ({how}) without reporting a result")
+            finished[rank] = f"died ({how})"
             return
         if msg[0] == "ok":
             results[rank] = msg[1]
+            finished[rank] = "returned"
         else:
             errors[rank] = _rebuild(rank, *msg[1:])
+            finished[rank] = f"raised {msg[2]}"
 
     while pending and not errors:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
+            report = watch.diagnosis(watch.records(), finished, "timeout")
             raise TimeoutError(
                 f"ranks {sorted(pending)} did not finish within {timeout_s:.0f} s "
-                "(a send/recv or collective that not every rank called?)")
+                "(a send/recv or collective that not every rank called?)"
+                + (f"\n{report}" if report else ""))
+        # Look at the ranks every half second: a deadlock is named in seconds, not at the timeout.
         ready = wait([readers[r] for r in pending] + [procs[r].sentinel for r in pending],
-                     timeout=remaining)
+                     timeout=min(remaining, 0.5))
         for rank in sorted(pending):
             if readers[rank] in ready or procs[rank].sentinel in ready:
                 receive(rank)
+        if not ready and not errors:
+            hang = watch.hung(pending, finished)
+            if hang is not None:
+                raise hang
     if errors:
         # Ranks that already reported count too; prefer a root cause (an assertion,
         # a TODO) over the connection errors its peers see when it dies.
@@ -282,7 +500,14 @@ def _collect(procs, readers, timeout_s: float) -> list[Any]:
             rank, exc = item
             return any(word in str(exc).lower()[:300] for word in _SECONDARY), rank
 
-        raise min(errors.items(), key=secondary)[1]
+        first = min(errors.items(), key=secondary)[1]
+        # A timeout, a closed connection or a crash inside gloo (SIGABRT on a size mismatch)
+        # blames whichever rank noticed first: the records say who never arrived.
+        if secondary(min(errors.items(), key=secondary))[0] or "(signal 6)" in str(first):
+            hang = watch.diagnosis(watch.records(), finished, "hang" if "signal 6" not in str(first) else "mismatch")
+            if hang is not None:
+                raise hang from first
+        raise first
     return [results[r] for r in range(len(procs))]
 
 
@@ -313,6 +538,12 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
     Inside ``run_distributed`` (a process group already exists) it describes that
     group instead, so a script's ``main()`` can also be driven from a test.
 
+    With DISTLAB_HANG_TIMEOUT=<seconds> in the environment, a watchdog thread in every rank
+    records its communication and, when a rank stays blocked in one op that long, prints the
+    hang doctor's table for all ranks (who never arrived, what the others wait in) and ends
+    the rank with exit code 75, so torchrun stops (or restarts) the job instead of waiting
+    for the process group's timeout.
+
     Collective: every rank must call it (it is the rendezvous).
     """
     if dist.is_initialized():
@@ -333,11 +564,26 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+    store = BoundTCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=(rank == 0 and not agent_store),
                           timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"distlab/attempt_{attempt}", store)
+    hang_timeout = os.environ.get(doctor.HANG_TIMEOUT_ENV, "").strip()
+    if hang_timeout:
+        try:
+            hang_timeout_s = float(hang_timeout)
+        except ValueError:
+            raise ValueError(f"{doctor.HANG_TIMEOUT_ENV}={hang_timeout!r} is not a number of seconds "
+                             f"(e.g. {doctor.HANG_TIMEOUT_ENV}=60; unset it to turn the watchdog off)") from None
+        if hang_timeout_s <= 0:
+            raise ValueError(f"{doctor.HANG_TIMEOUT_ENV}={hang_timeout} must be > 0 seconds")
+        doctor.install(rank)
+        # A connection of its own: the watchdog must not queue behind a store call the rank is stuck in.
+        own = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                            timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        doctor.start_watchdog(dist.PrefixStore(f"distlab/attempt_{attempt}/doctor", own), rank, world_size,
+                              hang_timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s),
                             device_id=device if backend == "nccl" else None)
@@ -354,3 +600,54 @@ def shutdown() -> None:
     gc.collect()
     if dist.is_initialized() and not _IN_RUN_DISTRIBUTED:
         dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- torchrun, bound to what the user names
+class BoundTCPStore(dist.TCPStore):
+    """A TCPStore whose server listens on ``host_name``'s address only, not on every interface.
+
+    torch's TCPStore server binds the wildcard address (all interfaces, IPv4 and IPv6)
+    whatever host it is given; a socket bound here and handed over as ``master_listen_fd``
+    keeps a single-node job's rendezvous on 127.0.0.1 and a multi-node one on MASTER_ADDR.
+    """
+
+    def __init__(self, host_name: str, port: int, *args: Any, is_master: bool = False, **kwargs: Any) -> None:
+        self._listener = None
+        if is_master and kwargs.get("master_listen_fd") is None:
+            try:
+                family, _, _, _, address = socket.getaddrinfo(host_name, port, type=socket.SOCK_STREAM)[0]
+                listener = socket.socket(family, socket.SOCK_STREAM)
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                listener.bind(address)
+                listener.listen(1024)
+            except OSError:  # not an address of this machine (or taken): torch's own binding and error
+                pass
+            else:
+                port = listener.getsockname()[1]
+                kwargs["master_listen_fd"] = listener.fileno()
+                self._listener = listener  # the server uses the descriptor: keep it open
+        super().__init__(host_name, port, *args, is_master=is_master, **kwargs)
+
+
+def torchrun(argv: list[str]) -> None:
+    """``torchrun`` (same arguments) whose rendezvous stores listen only on the address they name.
+
+    ``entrypoint.sh`` runs it as ``python -m distlab.launch ...``: with ``--standalone`` it adds
+    ``--local-addr=127.0.0.1`` and GLOO_SOCKET_IFNAME=lo, so a one-machine job listens on loopback only.
+    """
+    from torch.distributed import run
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+
+    if "--standalone" in argv:
+        if not any(a.startswith(("--local-addr", "--local_addr")) for a in argv):
+            argv = ["--local-addr=127.0.0.1", *argv]
+        loopback = loopback_interface()
+        if loopback:  # gloo's and NCCL's listening sockets, in every worker
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    dist.TCPStore = c10d_rendezvous_backend.TCPStore = BoundTCPStore
+    run.main(argv)
+
+
+if __name__ == "__main__":
+    torchrun(sys.argv[1:])

@@ -54,8 +54,8 @@ TIMELINE_KINDS = {  # kind -> (colour, legend entry)
     "opt": ("tab:purple", "optimizer"), "data": ("tab:olive", "data")}
 
 
-def _gaps(events: list[tuple], t_end: float) -> list[tuple]:
-    """"idle" events wherever a lane has no event, from the first start to ``t_end``."""
+def idle_events(events: list[tuple], t_end: float) -> list[tuple]:
+    """"idle" events wherever a lane has no event, from the events' first start to ``t_end``."""
     t0 = min(e[1] for e in events)
     gaps = []
     for lane in {e[0] for e in events}:
@@ -79,7 +79,7 @@ def plot_timeline(events: Iterable[tuple], path: str | Path, title: str = "pipel
     """
     events = list(events)
     if idle_gaps and events:
-        events += _gaps(events, max(e[2] for e in events))
+        events += idle_events(events, max(e[2] for e in events))
     lanes = sorted({e[0] for e in events}, key=str)
     t0 = min((e[1] for e in events), default=0.0)
     fig, ax = plt.subplots(figsize=(10, 0.6 * len(lanes) + 2.0))

@@ -5,6 +5,8 @@ the kind of message every comparison here produces.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -34,6 +36,26 @@ def diagnose(actual: torch.Tensor, expected: torch.Tensor) -> str:
             hint = "a sign flipped (subtracted where it should add?)"
         return f"; it is {factor:.2f}x the expected value everywhere: {hint}"
     return ""
+
+
+_GLOO_SIZE = re.compile(r"op\.preamble\.length <= op\.nbytes\. (\d+) vs (\d+)")
+
+
+def translate_size_mismatch(text: str, rank: int | None = None, step: int | str | None = None) -> str | None:
+    """gloo's size-mismatch abort in one actionable line, or None when ``text`` holds none.
+
+    gloo aborts the receiving rank with "op.preamble.length <= op.nbytes. 16 vs 12": 16 bytes
+    arrived for a 12-byte receive buffer. In a ring that means the two neighbours picked
+    different chunks (an off-by-one chunk index) or one of them ignored the uneven last chunk.
+    """
+    m = _GLOO_SIZE.search(text)
+    if not m:
+        return None
+    sent, room = int(m[1]), int(m[2])
+    who = f"rank {rank}" if rank is not None else "a rank"
+    at = f" at step {step}" if step is not None else " at that step"
+    return (f"{who} received {sent} bytes, expected {room}: sender and receiver disagree on the message size; "
+            f"check the chunk index{at} (off by one?) and the uneven last chunk")
 
 
 def assert_tensors_close(actual: torch.Tensor, expected: torch.Tensor, what: str,

@@ -74,8 +74,10 @@ def filter_launcher_output(lines: Iterable[str], out: TextIO) -> bool:
             out.flush()
     report = "".join(held)
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", report)
-    only_todo_exits = all(code == str(TODO_EXIT_CODE) for code in codes)
-    if held and not (only_todo_exits and ("ChildFailedError" in report or "closing signal" in report)):
+    # A rank stopped by torchrun (SIGTERM, -15) after another stopped at the TODO is part of
+    # the same stop; any other code is a real failure and its report is kept whole.
+    only_todo_exits = str(TODO_EXIT_CODE) in codes and all(code in (str(TODO_EXIT_CODE), "-15") for code in codes)
+    if held and not ((only_todo_exits or not codes) and ("ChildFailedError" in report or "closing signal" in report)):
         out.write(report)
     return bool(seen)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from distlab import p2p
 from distlab.comm import check_reduce_op
 from distlab.sync import group_root
 from distlab.todo import todo
@@ -48,7 +49,8 @@ def allreduce_reduce_broadcast(tensor: torch.Tensor, op: str = "sum",
     # written into `tensor`, using only point-to-point messages with group rank 0 as the hub.
     # The result must be bitwise the same on every rank and on every run.
     # Collective: every rank of `group` calls it; peers are named by their rank inside `group`,
-    # and a message nobody receives leaves its sender waiting forever.
+    # and a message nobody receives leaves its sender waiting forever. Use `p2p.send`/`p2p.recv`
+    # (NCCL-safe: no tags, no receive from "anyone": the hub names the rank it expects).
     raise todo("1.1 all-reduce by reduce + broadcast", "guidelines.md#all-reduce-three-ways")
     # --- end TODO 1.1 ---
     return tensor

@@ -30,12 +30,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from distlab import p2p
 from distlab.todo import todo
-
-
-def _peer(stage: int, group: dist.ProcessGroup | None) -> int:
-    """Global rank of ``stage`` (stages are the group's ranks, in order)."""
-    return stage if group is None else dist.get_global_rank(group, stage)
 
 
 def forward_stage(module: nn.Module, x: torch.Tensor | None, recv_shape: tuple[int, ...],
@@ -58,7 +55,8 @@ def forward_stage(module: nn.Module, x: torch.Tensor | None, recv_shape: tuple[i
     # Goal: return (inp, out): this stage's input and its layers' output. Stage 0's input
     # is `x`; any other stage's comes from stage - 1 (into `buf`) and must let backward
     # recover dL/d(input). Every stage but the last hands its output on to stage + 1.
-    # Contract: each send here is matched by the neighbour's recv (same shape and dtype).
+    # Contract: each send here is matched by the neighbour's recv (same shape and dtype);
+    # stages are group ranks (`p2p.send(t, stage + 1, group)`, `p2p.recv(buf, stage - 1, group)`).
     raise todo("2.10 model split forward", "guidelines_model_parallel.md#naive-model-split")
     # --- end TODO 2.10 ---
     return inp, out

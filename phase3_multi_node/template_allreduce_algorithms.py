@@ -28,22 +28,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distlab import p2p
 from distlab.comm import check_reduce_op
 from distlab.todo import todo
 
 
 def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group: dist.ProcessGroup | None = None) -> None:
-    """Swap tensors with group rank ``peer``: isend ``send`` and irecv ``recv`` together, then wait.
+    """Swap tensors with group rank ``peer``: ``send`` out and ``recv`` in, as one grouped launch.
 
-    Empty tensors are skipped (both sides know the sizes). Cost: send.nbytes out, recv.nbytes in.
+    Two separate sends first would each wait for the other's receive on NCCL: the pair is
+    posted together (``distlab.p2p.exchange``). Empty tensors are skipped (both sides know
+    the sizes). Cost: send.nbytes out, recv.nbytes in.
     """
-    works = []
-    if send.numel():
-        works.append(dist.isend(send, group=group, group_dst=peer))
-    if recv.numel():
-        works.append(dist.irecv(recv, group=group, group_src=peer))
-    for work in works:
-        work.wait()
+    p2p.exchange(send, recv, peer, group)
 
 
 # --------------------------------------------------------------------------- halving-doubling
@@ -62,12 +59,13 @@ def halving_doubling_allreduce(tensor: torch.Tensor, op: str = "sum",
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
     p = 1 << (world_size.bit_length() - 1)  # largest power of two <= W
     if rank >= p:  # an extra rank: hand the data to a partner, get the answer back
-        dist.send(flat, group=group, group_dst=rank - p)
-        dist.recv(flat, group=group, group_src=rank - p)
+        # One way, then back: the partner receives first and sends last, so nothing crosses.
+        p2p.send(flat, rank - p, group)
+        p2p.recv(flat, rank - p, group)
     else:
         if rank + p < world_size:  # fold in the extra partner's tensor
             incoming = torch.empty_like(flat)
-            dist.recv(incoming, group=group, group_src=rank + p)
+            p2p.recv(incoming, rank + p, group)
             flat += incoming
         # p blocks (tensor_split's sizes); block b ends up fully reduced on rank b.
         sizes = [b.numel() for b in flat.tensor_split(p)]
@@ -84,7 +82,7 @@ def halving_doubling_allreduce(tensor: torch.Tensor, op: str = "sum",
         raise todo("3.5 recursive halving-doubling", "guidelines.md#recursive-halving-doubling")
         # --- end TODO 3.5 ---
         if rank + p < world_size:
-            dist.send(flat, group=group, group_dst=rank + p)
+            p2p.send(flat, rank + p, group)
     if not tensor.is_contiguous():
         tensor.copy_(flat.view(tensor.shape))
     return tensor

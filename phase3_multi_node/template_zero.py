@@ -13,19 +13,23 @@ weights) + 2 (fp16 gradients) + K = 12 (fp32 master weights, momentum, variance)
     ZeRO-2 (this, stage=2) 2Psi     2Psi / W  K Psi / W
     ZeRO-3 (fsdp.py)      2Psi / W  2Psi / W  K Psi / W
 
-Flat-buffer sharding: the trainable parameters are packed (in backward order) into
-flat buckets, each padded to a multiple of W; rank r owns chunk r of every bucket,
-so every rank holds the same number of elements (+- padding), whatever the tensor
-shapes. (torch's ZeroRedundancyOptimizer hands out whole tensors instead: balanced
-only as well as the tensor sizes allow.) The model's parameters are views into the
-buckets, so an all-gather into a bucket updates the model in place.
+Flat-buffer sharding: trainable parameters are packed (in backward order) into flat
+buckets padded to a multiple of W; rank r owns chunk r of every bucket, so ranks hold
+equal shares whatever the tensor shapes (torch's ZeroRedundancyOptimizer hands out
+whole tensors). The model's parameters are views into the buckets: an all-gather into
+a bucket updates the model in place.
 
     stage 1, after backward: all_reduce(grad bucket)  -> step on my chunk -> all_gather(param bucket)
-    stage 2, during backward: reduce_scatter(grad bucket) as each bucket fills -> step -> all_gather
+    stage 2, during backward: reduce_scatter(grad bucket) as each bucket fills; the full
+             bucket is freed as soon as its reduce-scatter completes (at most ``max_in_flight``
+             in flight) -> at the end of backward, my chunk += mean -> step -> all_gather
 
-Cost per step: stage 1: all-reduce |grads| + all-gather |params| (3 Psi in a ring);
-stage 2: reduce-scatter + all-gather = 2 Psi, the same as DDP's all-reduce.
-Parameters unused in a step get a zero gradient (a chunk is one tensor for the optimizer).
+Peak gradient bytes per rank in stage 2: the 1/W chunks + the bucket being filled + the
+in-flight window (asserted by the tests with ``self.memory``, sampled at every hook).
+Cost per step: stage 1: all-reduce |grads| + all-gather |params| (3 Psi in a ring, 1.5x
+DDP); stage 2: reduce-scatter + all-gather = 2 Psi, the same as DDP's all-reduce.
+Several backwards before one ``step`` accumulate (stage 2: into the chunks, each
+backward's reduce-scatters finish when it ends). Unused parameters get zero gradients.
 See phase3_multi_node/guidelines_ddp_zero.md#zero-1-optimizer-state-sharded.
 
 Run: ``RUN_MODE=zero ./entrypoint.sh --stage 2`` (demos/zero.py; stage 3 is fsdp.py).
@@ -43,7 +47,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distlab.comm import all_gather_single, reduce_scatter_single
-from distlab.sync import broadcast_module
+from distlab.meters import MemoryMeter, OverlapMeter, nbytes
+from distlab.sync import broadcast_tensors
 from distlab.todo import todo
 
 
@@ -52,22 +57,18 @@ class FlatBucket:
     """Parameters packed end to end in one flat buffer of W equal chunks; ``rank`` owns one."""
 
     params: list[nn.Parameter]
-    names: list[str]
     offsets: list[int]
     flat: torch.Tensor              # padded; the params are views into it
     world_size: int
     rank: int
 
-    @property
-    def shard_size(self) -> int:
-        return self.flat.numel() // self.world_size
-
     def chunk(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of a flat tensor shaped like ``flat``."""
-        return t[self.rank * self.shard_size:(self.rank + 1) * self.shard_size]
+        n = self.flat.numel() // self.world_size
+        return t[self.rank * n:(self.rank + 1) * n]
 
 
-def make_flat_bucket(params: list[nn.Parameter], names: list[str], world_size: int, rank: int) -> FlatBucket:
+def make_flat_bucket(params: list[nn.Parameter], world_size: int, rank: int) -> FlatBucket:
     """Copy ``params`` into one zero-padded flat buffer and make them views into it."""
     offsets = [0, *itertools.accumulate(p.numel() for p in params)]
     padded = math.ceil(offsets[-1] / world_size) * world_size
@@ -76,7 +77,7 @@ def make_flat_bucket(params: list[nn.Parameter], names: list[str], world_size: i
         for p, start in zip(params, offsets):
             flat[start:start + p.numel()].copy_(p.reshape(-1))
             p.data = flat[start:start + p.numel()].view_as(p)
-    return FlatBucket(params, names, offsets[:-1], flat, world_size, rank)
+    return FlatBucket(params, offsets[:-1], flat, world_size, rank)
 
 
 def group_params(params: list[nn.Parameter], bucket_size_mb: float) -> list[list[nn.Parameter]]:
@@ -92,74 +93,109 @@ def group_params(params: list[nn.Parameter], bucket_size_mb: float) -> list[list
     return groups
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(torch.optim.Optimizer):
     """Any ``torch.optim`` optimizer, with its state (stage 1) and gradients (stage 2) sharded.
 
     Args:
-        model: this rank's replica; rank 0's parameters are broadcast into all ranks.
-        optimizer_cls: e.g. ``torch.optim.AdamW``; built on this rank's flat chunks.
+        params: the model's parameters or parameter groups (dicts with per-group options), as
+            for any torch optimizer; frozen ones are skipped. Rank 0's values are broadcast.
+        optimizer_class: e.g. ``torch.optim.AdamW``; built on this rank's flat chunks.
         stage: 1 (optimizer state sharded) or 2 (+ gradients reduce-scattered, sharded).
         bucket_size_mb: size of one flat bucket (the unit of communication).
-        group: the data-parallel group (None: WORLD).
-        **optim_kwargs: passed to ``optimizer_cls`` (lr, weight_decay, ...).
+        max_in_flight: stage 2: reduce-scatters in flight at once. group: None for WORLD.
+        **defaults: passed to ``optimizer_class`` (lr, weight_decay, ...).
 
-    Equivalent to: DDP + ``optimizer_cls(model.parameters(), **optim_kwargs)``; stage 1
-    is ``torch.distributed.optim.ZeroRedundancyOptimizer`` with flat (balanced) shards.
+    ``param_groups``/``state`` are the inner optimizer's (my chunks): LR schedulers work.
+    Equivalent to: DDP + ``optimizer_class(params, **defaults)``; stage 1 is
+    ``torch.distributed.optim.ZeroRedundancyOptimizer`` with flat (balanced) shards.
     Collective: construction, ``step`` (and with stage 2 every backward) on all ranks.
     Cost: see the module docstring; optimizer state K * Psi / W bytes per rank.
     """
 
-    def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *, stage: int = 1,
-                 bucket_size_mb: float = 25.0, group: dist.ProcessGroup | None = None, **optim_kwargs: Any) -> None:
+    def __init__(self, params, optimizer_class: type[torch.optim.Optimizer], *, stage: int = 1,
+                 bucket_size_mb: float = 25.0, max_in_flight: int = 2, group: dist.ProcessGroup | None = None,
+                 **defaults: Any) -> None:
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (stage 3 is FullyShardedDataParallel), got {stage}")
-        self.model, self.stage, self.group = model, stage, group
+        if isinstance(params, nn.Module):  # like any torch optimizer
+            raise ValueError("ZeroOptimizer takes parameters, not a module: pass model.parameters()")
+        groups = list(params)
+        groups = groups if groups and isinstance(groups[0], dict) else [{"params": groups}]
+        self.stage, self.group, self.max_in_flight = stage, group, max(1, max_in_flight)
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        broadcast_module(model, group)  # replicas start equal to rank 0's (Phase 1's lesson)
-        names = {p: n for n, p in model.named_parameters()}
-        trainable = [p for p in model.parameters() if p.requires_grad][::-1]  # backward order
-        self.buckets = [make_flat_bucket(ps, [names[p] for p in ps], self.world_size, self.rank)
-                        for ps in group_params(trainable, bucket_size_mb)]
-        # The optimizer sees one flat chunk per bucket: views into the buckets, updated in place.
-        self.shards = [nn.Parameter(b.chunk(b.flat)) for b in self.buckets]
-        self.optimizer = optimizer_cls(self.shards, **optim_kwargs)
+        self.buckets, inner_groups = [], []
+        for g in groups:
+            trainable = [p for p in g["params"] if p.requires_grad][::-1]  # backward order
+            broadcast_tensors(trainable, group)  # replicas start equal to rank 0's (Phase 1's lesson)
+            mine = [make_flat_bucket(ps, self.world_size, self.rank) for ps in group_params(trainable, bucket_size_mb)]
+            self.buckets += mine
+            inner_groups.append({**g, "params": [nn.Parameter(b.chunk(b.flat)) for b in mine]})  # views: in place
+        if not self.buckets:
+            raise ValueError("ZeroOptimizer got no trainable parameters: pass model.parameters()")
+        self.shards = [s for g in inner_groups for s in g["params"]]
+        self.optimizer = optimizer_class(inner_groups, **defaults)
+        super().__init__(self.optimizer.param_groups, self.optimizer.defaults)
+        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state  # one source
         self._where = {p: (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
+        self.memory, self.overlap = MemoryMeter(), OverlapMeter()
         if stage == 1:
             # Gradients live in flat buffers too: autograd accumulates into these views in place.
             self.grad_flats = [torch.zeros_like(b.flat) for b in self.buckets]
-            for b, g in zip(self.buckets, self.grad_flats):
-                for p, start in zip(b.params, b.offsets):
-                    p.grad = g[start:start + p.numel()].view_as(p)
+            self._collect_stage1_grads()
         else:
-            for s in self.shards:
-                s.grad = torch.zeros_like(s)
             self._pending: list[torch.Tensor | None] = [None] * len(self.buckets)  # full grads in flight
             self._ready: list[set[int]] = [set() for _ in self.buckets]
             self._handles: list[tuple[dist.Work, torch.Tensor] | None] = [None] * len(self.buckets)
-            self._next = 0
-            for p in trainable:
+            self._next, self._in_backward = 0, False
+            for p in self._where:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    # ------------------------------------------------------------------ bookkeeping (pre-written)
+    def _collect_stage1_grads(self) -> None:
+        """Point every p.grad back at its flat view (``set_to_none`` or ``model.zero_grad()`` drop it)."""
+        for b, g in zip(self.buckets, self.grad_flats):
+            for p, start in zip(b.params, b.offsets):
+                view = g[start:start + p.numel()].view_as(p)
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)  # accumulated since the last set_to_none: the whole gradient
+                p.grad = view
+
+    def _sample(self) -> None:
+        held = self.memory_bytes()
+        held["grads"] += sum(nbytes(t) for t in getattr(self, "_pending", []))  # full buckets alive
+        self.memory.sample(**held)
 
     # ------------------------------------------------------------------ stage 2
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self._in_backward:  # once per backward: finish the reduce-scatters when it ends
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self.overlap.hook()
         i, j = self._where[p]
         bucket = self.buckets[i]
-        if self._pending[i] is None:  # a full-size gradient buffer only while in flight
+        if self._pending[i] is None:  # a full-size gradient buffer only while it fills / is in flight
             self._pending[i] = torch.zeros_like(bucket.flat)
         start = bucket.offsets[j]
         self._pending[i][start:start + p.numel()].copy_(p.grad.reshape(-1))
         p.grad = None  # the full gradient is not kept: that is stage 2's saving
         self._ready[i].add(j)
         self._launch_ready()
+        self._sample()
 
     def _launch_ready(self, force: bool = False) -> None:
         """Reduce-scatter, in bucket order, every bucket whose gradients have all arrived."""
+        for k in [k for k, h in enumerate(self._handles) if h and h[0].is_completed()]:
+            self._retire(k)  # free every full bucket whose reduce-scatter is over
         while self._next < len(self.buckets):
             i, bucket = self._next, self.buckets[self._next]
             if not force and len(self._ready[i]) < len(bucket.params):
                 return
             if self._pending[i] is None:  # no gradient at all on this rank: zeros
                 self._pending[i] = torch.zeros_like(bucket.flat)
+            while len(flying := [k for k, h in enumerate(self._handles) if h]) >= self.max_in_flight:
+                self._retire(flying[0])  # bound the full buckets alive: wait for the oldest
             # --- TODO 3.16a: reduce-scatter a full bucket ---
             # Goal: start (without waiting) the sum over the ranks of bucket i's full gradient
             # `self._pending[i]`, of which this rank receives only ITS chunk, in a fresh tensor
@@ -167,29 +203,40 @@ class ZeroOptimizer:
             # Collective: every rank launches the same buckets in the same (index) order.
             raise todo("3.16a reduce-scatter a full bucket", "guidelines_ddp_zero.md#zero-2-gradients-reduce-scattered")
             # --- end TODO 3.16a ---
+            self.overlap.launch()
             self._next += 1
 
-    def _finish_stage2(self) -> None:
-        self._launch_ready(force=True)  # buckets with unused parameters: what is missing is zero
-        # --- TODO 3.16b: wait for the reduce-scatters ---
-        # Goal: once every reduce-scatter is done, each shard's gradient holds the MEAN over the
-        # ranks of its chunk; accumulate into it (several backwards before one step add up).
-        raise todo("3.16b wait for the reduce-scatters", "guidelines_ddp_zero.md#zero-2-gradients-reduce-scattered")
+    @torch.no_grad()
+    def _retire(self, i: int) -> None:
+        """Wait for bucket i's reduce-scatter, add the mean to my chunk's gradient, free the bucket."""
+        # --- TODO 3.16b: wait for a reduce-scatter ---
+        # Goal: once bucket i's reduce-scatter is done, shard i's gradient gains the MEAN over the
+        # ranks of its chunk: added to what is there (several backwards before one step add up),
+        # or set if the gradient is None (after `zero_grad(set_to_none=True)`).
+        raise todo("3.16b wait for a reduce-scatter", "guidelines_ddp_zero.md#zero-2-gradients-reduce-scattered")
         # --- end TODO 3.16b ---
-        self._pending = [None] * len(self.buckets)
-        self._handles = [None] * len(self.buckets)
-        self._ready = [set() for _ in self.buckets]
-        self._next = 0
+        self._handles[i] = None
+        self._pending[i] = None  # the full bucket goes as soon as its reduce-scatter is over
+
+    def _end_backward(self) -> None:
+        self._launch_ready(force=True)  # buckets with unused parameters: what is missing is zero
+        for i in [k for k, h in enumerate(self._handles) if h]:
+            self._retire(i)
+        self._ready, self._next, self._in_backward = [set() for _ in self.buckets], 0, False
+        self._sample()
+        self.overlap.end_backward()
 
     # ------------------------------------------------------------------ both stages
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure=None) -> None:
         """Average the gradients, update this rank's chunks, all-gather the parameters.
 
         Collective: every rank must call it after the same backward(s).
         """
-        if self.stage == 2:
-            self._finish_stage2()
+        if closure is not None:  # a closure would re-run forward/backward: collectives inside a step
+            raise ValueError("ZeroOptimizer.step takes no closure: call backward, then step()")
+        if self.stage == 1:
+            self._collect_stage1_grads()
         # --- TODO 3.15: sharded optimizer step ---
         # Goal: (stage 1 only) average each flat gradient over the ranks and give each shard its
         # chunk of it as gradient; then (both stages) update only this rank's chunks, and make
@@ -197,25 +244,38 @@ class ZeroOptimizer:
         # updated chunks. Collective: every rank, every bucket, in the same order.
         raise todo("3.15 sharded optimizer step", "guidelines_ddp_zero.md#zero-1-optimizer-state-sharded")
         # --- end TODO 3.15 ---
+        self._sample()
 
-    def zero_grad(self) -> None:
-        """Zero the flat gradients (stage 1) or the gradient chunks (stage 2); never frees them."""
-        for t in (self.grad_flats if self.stage == 1 else [s.grad for s in self.shards]):
-            t.zero_()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Stage 1: zero the flat gradients (kept: autograd accumulates into them); stage 2: the chunks."""
+        if self.stage == 1:
+            for g in self.grad_flats:
+                g.zero_()
+            self._collect_stage1_grads()
+        for s in self.shards:
+            if self.stage == 1 or set_to_none:
+                s.grad = None
+            elif s.grad is not None:
+                s.grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:  # this rank's chunks only; sharded_state_dict adds the layout
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for parameters, gradients and optimizer state (trainable only)."""
-        params = sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)
-        grads = sum(t.numel() * t.element_size() for t in
-                    (self.grad_flats if self.stage == 1 else [s.grad for s in self.shards]))
-        state = sum(v.numel() * v.element_size() for s in self.optimizer.state.values()
+        """Bytes this rank holds now for parameters, gradients and optimizer state (trainable only)."""
+        params = sum(nbytes(b.flat) for b in self.buckets)
+        grads = sum(nbytes(t) for t in (self.grad_flats if self.stage == 1 else [s.grad for s in self.shards]))
+        state = sum(nbytes(v) for s in self.optimizer.state.values()
                     for v in s.values() if torch.is_tensor(v) and v.dim() > 0)  # not the scalar step
         return {"params": params, "grads": grads, "optimizer": state}
 
     def sharded_state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state with the layout needed to reshard it (names, offsets, sizes)."""
-        layout = [{"names": b.names, "offsets": b.offsets, "numels": [p.numel() for p in b.params],
-                   "padded": b.flat.numel()} for b in self.buckets]
+        """This rank's optimizer state with the layout needed to reshard it (offsets, sizes)."""
+        layout = [{"offsets": b.offsets, "numels": [p.numel() for p in b.params], "padded": b.flat.numel()}
+                  for b in self.buckets]
         return {"world_size": self.world_size, "rank": self.rank, "layout": layout,
                 "optimizer": copy.deepcopy(self.optimizer.state_dict())}  # a snapshot, not live tensors
 

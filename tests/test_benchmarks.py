@@ -1,12 +1,16 @@
-"""benchmarks/: every topic follows the interface, and the summary and README section are built from results."""
+"""benchmarks/: the harness is fair and refuses wrong answers; the quick benchmarks run; the summary shows spread."""
 from __future__ import annotations
 
 import importlib
 import inspect
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from benchmarks import harness
 from benchmarks import run as bench_run
+from distlab.launch import run_distributed
 
 
 @pytest.mark.parametrize("topic", bench_run.topics())
@@ -16,13 +20,121 @@ def test_benchmark_module_has_run_quick_and_main(topic):
     assert callable(getattr(module, "main", None)), f"bench_{topic} has no main()"
 
 
-def test_summary_and_readme_section_come_from_the_results(tmp_path, monkeypatch):
-    results = {"collectives": {"machine": {"cores": 2, "torch": "x"}, "comparisons": {
-        "ring allreduce 16MiB W=2": {"ratio": 0.93, "metric": "time", "world_size": 2, "size": "16 MiB"}}},
-        "zero": {"comparisons": {"optimizer state bytes": {"ratio": 0.5, "metric": "bytes", "world_size": 2,
-                                                           "size": "1.6M params"}}}}
+def test_rotation_is_abba_and_gives_every_contender_every_position():
+    assert [harness.rotation(["A", "B"], r) for r in range(4)] == [["A", "B"], ["B", "A"], ["B", "A"], ["A", "B"]]
+    names = ["A", "B", "C"]
+    orders = [harness.rotation(names, r) for r in range(2 * len(names))]
+    for position in range(3):
+        got = sorted(order[position] for order in orders)
+        assert got == ["A", "A", "B", "B", "C", "C"], f"position {position} over {orders}"
+
+
+class _Clock:
+    """A clock that advances rank+1 seconds per read: every timed window lasts rank+1 "seconds"."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 0.0, step
+
+    def perf_counter(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def _worker_harness(rank, world_size):
+    x = torch.arange(6, dtype=torch.float32) * (rank + 1)
+    bufs = {name: torch.empty_like(x) for name in ("dist.all_reduce", "all_gather + sum", "wrong")}
+
+    def gather_sum(buf):
+        parts = [torch.empty_like(buf) for _ in range(world_size)]
+        dist.all_gather(parts, buf)
+        buf.copy_(torch.stack(parts).sum(0))
+
+    fns = {"dist.all_reduce": dist.all_reduce, "all_gather + sum": gather_sum,
+           "wrong": lambda buf: (dist.all_reduce(buf), buf.add_(1e-3))}
+    contenders = {n: harness.Contender(n, run=lambda n=n: (fns[n](bufs[n]), bufs[n])[1],
+                                       prepare=lambda n=n: bufs[n].copy_(x)) for n in fns}
+    real_time = harness.time
+    harness.time = _Clock(rank + 1.0)  # only the timed windows read this module's clock
+    try:
+        good = harness.measure([contenders["dist.all_reduce"], contenders["all_gather + sum"]],
+                               "dist.all_reduce", repeats=4, warmup=1)
+    finally:
+        harness.time = real_time
+    try:
+        harness.measure(list(contenders.values()), "dist.all_reduce", repeats=2, warmup=1)
+    except harness.ContenderMismatch as exc:
+        return good, str(exc)
+    return good, None
+
+
+def test_harness_rotates_takes_the_slowest_rank_and_fails_on_a_wrong_contender():
+    good, mismatch = run_distributed(_worker_harness, 2, backend="gloo", timeout_s=60)[0]
+    assert good["orders"] == [["dist.all_reduce", "all_gather + sum"], ["all_gather + sum", "dist.all_reduce"],
+                              ["all_gather + sum", "dist.all_reduce"], ["dist.all_reduce", "all_gather + sum"]]
+    # Rank r's windows last r+1 fake seconds (one clock read before and one after the call,
+    # so no barrier or check inside the window); every repeat reports the slowest rank's 2.
+    assert good["times"] == {"dist.all_reduce": [2.0] * 4, "all_gather + sum": [2.0] * 4}
+    assert mismatch is not None, "a contender that adds 1e-3 to the all-reduce passed the check"
+    assert "wrong" in mismatch and "warm-up" in mismatch and "all_gather + sum" not in mismatch, mismatch
+
+
+def _worker_noop(rank, world_size):
+    return rank
+
+
+def test_launch_records_every_launch_and_its_load():
+    runs = harness.launch(_worker_noop, 1, launches=3, backend="gloo", timeout_s=60)
+    assert len(runs) == 3 and all(r["result"] == 0 and len(r["loadavg_before"]) == 3 for r in runs)
+
+
+def test_ratio_row_pairs_repeats_and_reports_the_spread_of_every_launch():
+    runs = [{"result": {"times": {"ours": [1.0, 2.0, 3.0], "base": [1.0, 1.0, 1.0]}},
+             "loadavg_before": (0.5, 0, 0), "loadavg_after": (1.5, 0, 0)},
+            {"result": {"times": {"ours": [4.0, 4.0, 4.0], "base": [2.0, 4.0, 8.0]}},
+             "loadavg_before": (0.2, 0, 0), "loadavg_after": (3.0, 0, 0)}]
+    row = harness.ratio_row(runs, "ours", "base", meaning="m", world_size=2, size="s")
+    # paired per repeat: 1 2 3 | 2 1 0.5 -> median 1.5, quartiles (inclusive) 1 and 2, range 0.5-3
+    assert row["ratio"] == 1.5 and row["launch_medians"] == [2.0, 1.0] and row["launches"] == 2
+    assert (row["spread"]["q1"], row["spread"]["q3"], row["spread"]["min"], row["spread"]["max"]) == (1.0, 2.0, 0.5, 3.0)
+    assert row["load"]["before_max"] == 0.5 and row["load"]["after_max"] == 3.0 and row["meaning"] == "m"
+    assert harness.format_row(row) == "1.50 [IQR 1.00-2.00, range 0.50-3.00; launches 2.00 1.00]"
+
+
+def test_replay_with_equal_costs_gives_the_textbook_bubble_and_drops_communication():
+    from benchmarks.bench_pipeline import replay
+    from solutions.phase2_advanced.pipeline import measured_bubble, theoretical_bubble
+
+    # GPipe, p=2, m=2, as recorded: unequal op times and 0.5 s of waiting per message.
+    events = [(0, 0.0, 1.0, "F", 0), (0, 1.0, 2.2, "F", 1), (1, 1.5, 2.5, "F", 0), (1, 2.7, 3.9, "F", 1),
+              (1, 3.9, 6.0, "B", 0), (1, 6.0, 8.0, "B", 1), (0, 6.5, 8.5, "B", 0), (0, 8.5, 10.5, "B", 1)]
+    ideal = replay(events, num_stages=2, equal_costs=True)
+    assert measured_bubble(ideal, 2) == pytest.approx(theoretical_bubble(2, 2), abs=1e-12)
+    compute = replay(events, num_stages=2)  # recorded durations, free communication
+    # the critical path: F0, F1 on stage 0; F1, B0, B1 on stage 1; B1 on stage 0
+    assert max(e[2] for e in compute) == pytest.approx(1.0 + 1.2 + 1.2 + 2.1 + 2.0 + 2.0)
+    assert measured_bubble(compute, 2) < measured_bubble(events, 2)
+
+
+@pytest.mark.parametrize("topic", ["collectives", "ddp", "pipeline"])
+def test_quick_benchmark_checks_results_and_reports_spread(topic, tmp_path):
+    result = importlib.import_module(f"benchmarks.bench_{topic}").run(quick=True, out_dir=tmp_path)
+    assert result["comparisons"], f"bench_{topic} --quick compared nothing"
+    for name, row in result["comparisons"].items():
+        assert row["launches"] >= 3 and len(row["launch_medians"]) == row["launches"], name
+        assert row["spread"]["min"] <= row["ratio"] <= row["spread"]["max"] and row["meaning"], name
+        assert row["load"]["cores"] >= 1, name
+    assert list(tmp_path.glob("*.png")), f"bench_{topic} --quick wrote no plot"
+
+
+def test_summary_and_readme_section_show_spread_and_meaning(tmp_path, monkeypatch):
+    row = {"ratio": 0.93, "metric": "time", "world_size": 2, "size": "16 MiB", "meaning": "time of ring / gloo",
+           "spread": {"median": 0.93, "q1": 0.9, "q3": 0.97, "min": 0.85, "max": 1.1, "n": 27},
+           "launch_medians": [0.92, 0.93, 0.95], "load": {"before_max": 0.4, "after_max": 2.5, "cores": 2}}
+    results = {"collectives": {"machine": {"cores": 2, "torch": "x"}, "comparisons": {"ring 16MiB W=2": row}},
+               "zero": {"comparisons": {"optimizer state bytes": {"ratio": 0.5, "metric": "bytes", "world_size": 2,
+                                                                  "size": "1.6M params"}}}}
     summary = bench_run.summarise(results)
-    assert summary["comparisons"]["collectives/ring allreduce 16MiB W=2"]["ratio"] == 0.93
+    assert summary["comparisons"]["collectives/ring 16MiB W=2"]["spread"]["q3"] == 0.97
     assert summary["comparisons"]["zero/optimizer state bytes"]["metric"] == "bytes"
     readme = tmp_path / "README.md"
     readme.write_text("# title\n\nintro\n")
@@ -30,5 +142,7 @@ def test_summary_and_readme_section_come_from_the_results(tmp_path, monkeypatch)
     bench_run.render_readme(summary)
     bench_run.render_readme(summary)  # idempotent: one section, replaced in place
     text = readme.read_text()
-    assert text.count(bench_run.BEGIN) == 1 and "| collectives/ring allreduce 16MiB W=2 | time | 0.93 | 2 | 16 MiB |" in text
-    assert text.startswith("# title\n\nintro\n")
+    assert text.count(bench_run.BEGIN) == 1 and text.startswith("# title\n\nintro\n")
+    assert ("| collectives/ring 16MiB W=2 | 0.93 | 0.90-0.97 (range 0.85-1.10) | 0.92 0.93 0.95 | time of ring / gloo "
+            "| 2 | 16 MiB | 0.4 / 2.5 (busy) |") in text
+    assert "| zero/optimizer state bytes | 0.50 | one measurement | - |" in text

@@ -8,6 +8,7 @@ tests/test_deployment.py checks the cluster manifests' commands against its pars
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,40 @@ def test_capstone_resume_is_bit_identical_and_elastic(tmp_path):
     c = _final_model(elastic)
     for name in a:  # 1 rank sums the global batch in another order than 2: float32 rounding only
         torch.testing.assert_close(c[name], a[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def _worker_eval_and_units(rank, world_size):
+    """evaluate() on an uneven split (no hang, exact count); ZeRO-3 on the ViT gathers one block at a time."""
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from demos import imagenet
+    FSDP = load("phase3_multi_node", "fsdp").FullyShardedDataParallel
+    torch.manual_seed(0)
+    model = imagenet.build_model("vit_tiny", 10, 8)
+    reference = copy.deepcopy(model)
+    fsdp = FSDP(model, torch.optim.SGD, lr=0.1)
+    # 11 images over 3 ranks in batches of 3: shards of 4, 4, 3 images, so 2, 2 and 1 batches; each
+    # forward is a collective (ZeRO-3 gathers), so unequal batch counts would hang.
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(11, 3, 8, 8, generator=g), torch.randint(10, (11,), generator=g))
+    accuracy = imagenet.evaluate(fsdp, data, torch.device("cpu"), rank, world_size, batch_size=3)
+    with torch.no_grad():
+        expected = (reference.eval()(data.tensors[0]).argmax(1) == data.tensors[1]).double().mean().item()
+    assert accuracy == expected, f"rank {rank}: accuracy {accuracy} != {expected} on 11 images"
+    units = [type(u.module).__name__ for u in fsdp.units]
+    assert units.count("EncoderBlock") == 4, f"ViT units {units}: expected one per encoder layer"
+    fsdp.memory.reset()
+    fsdp.max_gathered = 0
+    F.cross_entropy(fsdp(data.tensors[0][:4]), data.tensors[1][:4]).backward()
+    block = max(u.full.numel() * u.full.element_size() for u in fsdp.units if u.module is not model)
+    root = next(u.full.numel() * u.full.element_size() for u in fsdp.units if u.module is model)
+    shards = sum(u.shard.numel() * u.shard.element_size() for u in fsdp.units)
+    # The root (class token, position embedding) + the unit in backward + one prefetched.
+    assert fsdp.max_gathered <= 3 and fsdp.memory.peak["params"] <= shards + root + 2 * block, \
+        f"rank {rank}: {fsdp.max_gathered} units gathered, params peak {fsdp.memory.peak['params']} B " \
+        f"> shards {shards} + root {root} + 2 x block {block}"
+
+
+def test_capstone_evaluate_is_exact_and_vit_zero3_gathers_one_block_at_a_time():
+    run_distributed(_worker_eval_and_units, 3, timeout_s=120)

@@ -107,6 +107,11 @@ def _check_args(module: str, args: list[str]) -> str | None:
 
 def check(command: str) -> str | None:
     """None if the documented command is consistent with the code, else what is wrong."""
+    # Doc notation: "[--tp-size 4]" is optional (checked as given); "a && b" is two commands.
+    command = re.sub(r"\[([^\]]*)\]", r"\1", command)
+    parts = re.split(r"\s*(?:&&|\|\||;)\s*", command)
+    if len(parts) > 1:
+        return next((p for p in map(check, parts) if p), None)
     # Doc notation: "[--quick]" is an optional flag (checked as given), "..." elides more arguments.
     words = [w[1:-1] if w.startswith("[") and w.endswith("]") else w for w in shlex.split(command) if w != "..."]
     env = {}
@@ -173,7 +178,11 @@ def _worker_mismatched_allreduce(rank, world_size):
     import torch
     import torch.distributed as dist
 
-    dist.all_reduce(torch.ones(4 + rank))  # rank 0: 4 elements, rank 1: 5
+    # The launcher's forkserver imported torch before this test set the variable: read it
+    # now, and make a group after it (the DETAIL checks wrap groups when they are made).
+    dist.set_debug_level_from_env()
+    group = dist.new_group(list(range(world_size)))
+    dist.all_reduce(torch.ones(4 + rank), group=group)  # rank 0: 4 elements, rank 1: 5
 
 
 def test_torch_distributed_debug_detail_catches_the_mismatch_the_guide_shows(monkeypatch):
@@ -182,7 +191,7 @@ def test_torch_distributed_debug_detail_catches_the_mismatch_the_guide_shows(mon
 
     monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
     with pytest.raises(RuntimeError) as info:
-        run_distributed(_worker_mismatched_allreduce, 2, timeout_s=60)
+        run_distributed(_worker_mismatched_allreduce, 2, timeout_s=60, hang_s=0)  # torch reports it, not the doctor
     message = str(info.value)
     assert "Detected mismatch between collectives on ranks" in message, message[:1000]
     assert "TensorShape=[4]" in message and "TensorShape=[5]" in message

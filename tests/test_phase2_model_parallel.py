@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distlab import load
+from distlab import load, p2p
 from distlab.comm import CommLedger
 from distlab.launch import run_distributed
 from distlab.models import MLP, Block, CausalSelfAttention, GPTConfig, TinyGPT, seeded
@@ -322,6 +322,7 @@ def _pipeline_stages(num_stages: int, seed: int = 0) -> list[nn.Sequential]:
 
 
 def _worker_pipeline(rank, world_size, schedule):
+    p2p.enable_strict()  # NCCL's point-to-point rules, checked on gloo (distlab/p2p.py)
     pp = load(PHASE, "pipeline")
     p = world_size
     for m in sorted({p, p + 1, 2 * p}):  # micro-batches >= stages; p + 1 is not a multiple of p
@@ -489,6 +490,7 @@ def test_grid_rejects_tp_size_not_dividing_world():
 
 # =========================================================================== 2.10-2.11 model split
 def _worker_model_split(rank, world_size, with_backward):
+    p2p.enable_strict()  # NCCL's point-to-point rules, checked on gloo (distlab/p2p.py)
     ms = load(PHASE, "model_split")
     p, batch = world_size, 6
     reference = _pipeline_stages(p)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distlab import load
+from distlab import p2p
 from distlab.comm import CommLedger
 from distlab.launch import run_distributed
 from distlab.models import ToyMLP, seeded
@@ -65,6 +66,7 @@ def _check_p2p_only(ledger: CommLedger, what: str) -> None:
 
 # --------------------------------------------------------------------------- 3.1 reduce-scatter
 def _worker_ring_reduce_scatter(rank, world_size):
+    p2p.enable_strict()  # NCCL's point-to-point rules, checked on gloo (distlab/p2p.py)
     ring = load(PHASE, "ring_allreduce")
     for shape, dtype, op, inputs, expected in _cases(world_size):
         what = f"rank {rank}, ring_reduce_scatter, shape {shape}, {dtype}, op {op}"
@@ -99,6 +101,7 @@ def test_ring_reduce_scatter_matches_builtin_and_single_process(world_size):
 
 # --------------------------------------------------------------------------- 3.2 all-gather
 def _worker_ring_all_gather(rank, world_size):
+    p2p.enable_strict()  # NCCL's point-to-point rules, checked on gloo (distlab/p2p.py)
     ring = load(PHASE, "ring_allreduce")
     for shape, dtype, _, inputs, _ in _cases(world_size):
         what = f"rank {rank}, ring_all_gather, shape {shape}, {dtype}"
@@ -170,10 +173,12 @@ def _check_allreduce(rank, world_size, fn, name, check_volume=_ring_volume):
 
 
 def _worker_ring_allreduce(rank, world_size):
+    p2p.enable_strict()  # NCCL's point-to-point rules, checked on gloo (distlab/p2p.py)
     _check_allreduce(rank, world_size, load(PHASE, "ring_allreduce").ring_allreduce, "ring_allreduce")
 
 
 def _worker_ring_allreduce_pipelined(rank, world_size):
+    p2p.enable_strict()  # NCCL's point-to-point rules, checked on gloo (distlab/p2p.py)
     ring = load(PHASE, "ring_allreduce")
     for slice_bytes in (8, 1 << 20):  # 1-2 elements per slice (many slices), and one slice per chunk
         _check_allreduce(rank, world_size, lambda t, op: ring.ring_allreduce_pipelined(t, op=op, slice_bytes=slice_bytes),
@@ -182,8 +187,18 @@ def _worker_ring_allreduce_pipelined(rank, world_size):
     x = torch.randn(10_001, generator=torch.Generator().manual_seed(rank))
     expected = x.clone()
     dist.all_reduce(expected)
-    ring.ring_allreduce_pipelined(x, slice_bytes=256)
+    ledger = CommLedger()
+    with ledger:
+        ring.ring_allreduce_pipelined(x, slice_bytes=256)
     assert_tensors_close(x, expected, f"rank {rank}, pipelined, 10001 floats vs dist.all_reduce")  # float32 rounding
+    if world_size > 1:
+        # Structure, not only the result: slice-sized messages, 2(W-1) steps of ceil(chunk/slice)
+        # sends each; the plain ring (one chunk per step) sends 2(W-1) messages of ~N/W bytes.
+        sizes = [r.nbytes for r in ledger.records if r.op in ("send", "isend")]
+        chunk = -(-10_001 // world_size)
+        assert max(sizes) <= 256 and len(sizes) >= 2 * (world_size - 1) * (chunk * 4 // 256), \
+            (f"rank {rank}: not pipelined: {len(sizes)} sends of up to {max(sizes)} B; expected at least "
+             f"{2 * (world_size - 1) * (chunk * 4 // 256)} sends of <= 256 B (slice_bytes)")
 
 
 @pytest.mark.exercise("3.3 ring all-reduce")
@@ -223,6 +238,7 @@ def _halving_doubling_volume(ledger, rank, world_size, expected, what):
 
 
 def _worker_halving_doubling(rank, world_size):
+    p2p.enable_strict()  # NCCL's point-to-point rules, checked on gloo (distlab/p2p.py)
     _check_allreduce(rank, world_size, load(PHASE, "allreduce_algorithms").halving_doubling_allreduce,
                      "halving_doubling_allreduce", _halving_doubling_volume)
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distlab import load
-from distlab.comm import CommLedger
+from distlab.comm import CommLedger, all_gather_single
 from distlab.launch import run_distributed
 from distlab.models import TiedFrozenModel, ToyMLP, seeded
 from distlab.testing import (assert_grads_close, assert_models_close, assert_ranks_identical,
@@ -242,17 +242,41 @@ def test_ddp_bucketed_no_sync_accumulation_matches_single_process():
 
 
 # --------------------------------------------------------------------------- 3.15-3.19 ZeRO
-def _padded(sharded_state: dict) -> int:
-    return sum(b["padded"] for b in sharded_state["layout"])
-
-
 def _zero(stage: int, model: nn.Module, **kw):
     args = dict(lr=0.01, weight_decay=0.1)
     if stage == 3:
         return load(PHASE, "fsdp").FullyShardedDataParallel(model, torch.optim.AdamW, **kw, **args)
     # 400 B buckets: several buckets, so the per-bucket bookkeeping is exercised.
-    return load(PHASE, "zero").ZeroOptimizer(model, torch.optim.AdamW, stage=stage, bucket_size_mb=400 / 2**20,
-                                             **kw, **args)
+    return load(PHASE, "zero").ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage,
+                                             bucket_size_mb=400 / 2**20, **kw, **args)
+
+
+def _padded(zo) -> int:
+    """Elements this wrapper shards (padding included: < W per bucket or unit)."""
+    return sum(u.full.numel() for u in zo.units) if hasattr(zo, "units") else sum(b.flat.numel() for b in zo.buckets)
+
+
+def _gathered(fsdp) -> dict[str, torch.Tensor]:
+    """The test's own all-gather of every unit's chunks (independent of 3.19's full_state_dict)."""
+    state = {n: t for n, t in fsdp.module.state_dict().items()}
+    for u in fsdp.units:
+        flat = torch.empty(u.full.numel(), dtype=u.shard.dtype)
+        all_gather_single(flat, u.shard.detach())
+        for p, name, start in zip(u.params, u.names, u.offsets):
+            state[name] = flat[start:start + p.numel()].view(p.shape)
+    for alias, p in fsdp.module.named_parameters(remove_duplicate=False):  # tied weights: every name
+        state[alias] = next(state[n] for n, q in fsdp.module.named_parameters() if q is p)
+    return state
+
+
+def _perturbed(kind: str, rank: int) -> nn.Module:
+    """Rank 0's model, trainable weights shifted on other ranks: construction must broadcast rank 0's."""
+    model = _make(kind, 0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(rank)
+    return model
 
 
 def _check_memory(zo, model: nn.Module, stage: int, rank: int, world_size: int, elem: int, what: str) -> None:
@@ -264,7 +288,7 @@ def _check_memory(zo, model: nn.Module, stage: int, rank: int, world_size: int, 
             assert p.grad is None, f"{what}: {name} still holds a full gradient at rest"
         if p.requires_grad and stage == 3:
             assert p.untyped_storage().size() == 0, f"{what}: {name} is still gathered at rest"
-    psi = _padded(zo.sharded_state_dict()) * elem  # padding: < W elements per bucket
+    psi = _padded(zo) * elem
     expected = {"params": psi // world_size if stage == 3 else psi,
                 "grads": psi if stage == 1 else psi // world_size,
                 "optimizer": 2 * psi // world_size}  # AdamW: exp_avg + exp_avg_sq (K = 2 in fp64)
@@ -282,7 +306,7 @@ def _worker_zero(rank, world_size, stage):
 
 def _check_zero_resume(rank, world_size, stage, kind, zo, model):
     """ZeRO-1/2: a fresh optimizer loaded from the sharded state takes bitwise the same next step."""
-    restored_model = _make(kind, 7)
+    restored_model = _perturbed(kind, 7)
     restored = _zero(stage, restored_model)
     restored_model.load_state_dict(model.state_dict())  # in place: the params stay views of the buckets
     restored.load_sharded_state_dict(zo.sharded_state_dict())
@@ -298,7 +322,7 @@ def _check_zero_resume(rank, world_size, stage, kind, zo, model):
 def _check_zero(rank, world_size, stage, kind):
     baseline = _make(kind, 0)
     base_opt = _adamw(baseline)
-    model = _make(kind, rank)  # different on purpose: construction must broadcast rank 0's
+    model = _make(kind, rank) if stage == 3 else _perturbed(kind, rank)  # construction must broadcast rank 0's
     zo = _zero(stage, model)
     forward = zo if stage == 3 else model
     builtin = builtin_opt = None
@@ -319,7 +343,7 @@ def _check_zero(rank, world_size, stage, kind):
             _loss(forward(xs), ys).backward()
             zo.step()
         if stage == 3:
-            full = zo.full_state_dict()
+            full = _gathered(zo)
             for name, expected in baseline.state_dict().items():
                 assert_tensors_close(full[name], expected, f"{what}, gathered {name}", **TOL)
         else:
@@ -332,8 +356,7 @@ def _check_zero(rank, world_size, stage, kind):
             assert_models_close(model, builtin.module, rank=rank, step=f"{what} vs ZeroRedundancyOptimizer", **TOL)
         _check_memory(zo, model, stage, rank, world_size, elem, what)
         if stage == 3:
-            psi_pad = _padded(zo.sharded_state_dict()) * elem
-            units = len(zo.sharded_state_dict()["layout"])
+            psi_pad, units = _padded(zo) * elem, len(zo.units)
             ag, rs = ledger.summary().get("all_gather_single", {}), ledger.summary().get("reduce_scatter_single", {})
             # Forward and backward each gather every unit once; every unit reduce-scatters once.
             assert ag == {"calls": 2 * units, "bytes": 2 * psi_pad // world_size}, f"{what}: all-gathers {ag}"
@@ -384,7 +407,7 @@ def _worker_zero3_gpt(rank, world_size):
         fsdp.zero_grad()
         fsdp(shard(x, rank, world_size), shard(y, rank, world_size))[1].backward()
         fsdp.step()
-        full = fsdp.full_state_dict()
+        full = _gathered(fsdp)
         for name, expected in baseline.state_dict().items():
             assert_tensors_close(full[name], expected, f"rank {rank}, ZeRO-3 TinyGPT, step {step}, {name}", **TOL)
 
@@ -415,7 +438,7 @@ def _worker_zero3_bf16(rank, world_size):
         fsdp.zero_grad()
         _loss(fsdp(shard(x, rank, world_size)).float(), shard(y, rank, world_size)).backward()
         fsdp.step()
-        full = fsdp.full_state_dict()
+        full = _gathered(fsdp)
         assert all(p.dtype == torch.bfloat16 for p in fsdp.module.parameters()), "gathered params must be bf16"
         for name, expected in baseline.state_dict().items():
             # Identical bf16 shard computations; the fp32 sum over ranks may be reordered (~1e-7),
@@ -439,18 +462,22 @@ def _worker_zero3_checkpoint(rank, world_size):
         fsdp.zero_grad()
         _loss(fsdp(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
         fsdp.step()
-    full, sharded = fsdp.full_state_dict(), fsdp.sharded_state_dict()
+    st = load(PHASE, "fsdp_state")
+    full, sharded = st.full_state_dict(fsdp), st.sharded_state_dict(fsdp)
+    assert full.keys() == _make("tied_frozen", 0).state_dict().keys(), f"rank {rank}: full state dict names"
+    for name, t in _gathered(fsdp).items():  # the test's own gather: same chunks, no arithmetic
+        assert torch.equal(full[name], t), f"rank {rank}: full_state_dict()[{name!r}] is not the gathered tensor"
     restored = _zero(3, _make("tied_frozen", 7))  # other weights: the loads must overwrite them
-    restored.load_full_state_dict(full)
-    restored.load_sharded_state_dict(sharded)
-    for name, t in restored.full_state_dict().items():
+    st.load_full_state_dict(restored, full)
+    st.load_sharded_state_dict(restored, sharded)
+    for name, t in st.full_state_dict(restored).items():
         assert torch.equal(t, full[name]), f"rank {rank}: {name} differs after load_full_state_dict"
     for model in (fsdp, restored):
         x, y = _batch("tied_frozen", 5)
         model.zero_grad()
         _loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
         model.step()
-    after, expected = restored.full_state_dict(), fsdp.full_state_dict()
+    after, expected = st.full_state_dict(restored), st.full_state_dict(fsdp)
     for name in expected:
         # Same chunks, same optimizer state, same data: bitwise the same step.
         assert torch.equal(after[name], expected[name]), f"rank {rank}: {name} differs one step after restoring"
@@ -462,9 +489,90 @@ def test_zero3_state_dict_round_trip_matches_uninterrupted_training(world_size):
     run_distributed(_worker_zero3_checkpoint, world_size)
 
 
+class Deep(nn.Module):
+    """Six equal blocks and a head: enough buckets/units that "a few at a time" differs from "all"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(6))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def _worker_peaks(rank, world_size):
+    """Per stage: 2 steps of 2 micro-batches vs the single process, then the textbook peaks and overlap."""
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(24, 8, generator=g, dtype=torch.float64), torch.randint(3, (24,), generator=g))
+            for _ in range(2)]
+    elem, micro = 8, 2
+    for stage in (1, 2, 3):
+        what = f"rank {rank}, ZeRO-{stage}, Deep, 2 micro-batches"
+        baseline = seeded(Deep, 0).double()
+        groups = lambda m: [{"params": m.blocks.parameters(), "lr": 0.02}, {"params": m.head.parameters()}]  # noqa: E731
+        base_opt = torch.optim.AdamW(groups(baseline) if stage < 3 else baseline.parameters(), lr=0.01,
+                                     weight_decay=0.1)
+        model = seeded(Deep, 0).double()
+        if stage == 3:
+            zo = load(PHASE, "fsdp").FullyShardedDataParallel(model, torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+        else:  # parameter groups, as for any torch optimizer (stage 3's are per unit: one group)
+            zo = load(PHASE, "zero").ZeroOptimizer(groups(model), torch.optim.AdamW, stage=stage,
+                                                   bucket_size_mb=400 / 2**20, lr=0.01, weight_decay=0.1)
+        # Stage 1/2: the wrapper is a torch Optimizer, so a scheduler drives it like the baseline's.
+        scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (1 + s))
+                  for o in (base_opt, zo if stage < 3 else zo.optimizer)]
+        forward = zo if stage == 3 else model
+        for step, (x, y) in enumerate(data):
+            _baseline_step(baseline, base_opt, "deep", x, y, world_size, micro_batches=micro)
+            if stage == 1:  # the model's own zero_grad drops the flat views: ZeRO-1 must survive it
+                model.zero_grad(set_to_none=True)
+            else:
+                zo.zero_grad(set_to_none=True)
+            xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+            for m in range(micro):
+                (_loss(forward(shard(xs, m, micro)), shard(ys, m, micro)) / micro).backward()
+            zo.step()
+            for sch in scheds:
+                sch.step()
+            if stage == 3:
+                for name, expected in baseline.state_dict().items():
+                    assert_tensors_close(_gathered(zo)[name], expected, f"{what}, step {step}, {name}", **TOL)
+            else:
+                assert_models_close(model, baseline, rank=rank, step=f"{what}, step {step}", **TOL)
+        peak, shards = zo.memory.peak, _padded(zo) * elem // world_size
+        assert peak["optimizer"] == 2 * shards, f"{what}: optimizer state peak {peak['optimizer']} B != 2 x 1/W"
+        if stage == 1:  # stage 1 has no hooks: sampled at each step
+            continue
+        assert zo.memory.samples > 20, f"{what}: the memory meter was sampled {zo.memory.samples} times"
+        # Full gradient buffers alive at once: the one filling + the in-flight window (2), beyond my chunks.
+        sizes = [b.flat.numel() * elem for b in zo.buckets] if stage == 2 else [u.full.numel() * elem for u in zo.units]
+        assert peak["grads"] <= shards + 3 * max(sizes) < shards + sum(sizes), \
+            f"{what}: gradient peak {peak['grads']} B > chunks {shards} + 3 x largest {max(sizes)} (all: {sum(sizes)})"
+        if stage == 3:  # gathered at once: the unit in backward + one prefetched (no root parameters here)
+            assert zo.max_gathered <= 2 and peak["params"] <= shards + 2 * max(sizes), \
+                f"{what}: {zo.max_gathered} units gathered at once, parameter peak {peak['params']} B"
+        for i, h in enumerate(zo.overlap.history):
+            assert h["first_launch_hook"] is not None and h["first_launch_hook"] < h["hooks"], \
+                f"{what}, backward {i}: first reduce-scatter at gradient hook {h['first_launch_hook']} of {h['hooks']}"
+
+
+@pytest.mark.exercise("3.15-3.18 ZeRO accumulation, memory and overlap")
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_zero_accumulation_peaks_and_overlap_match_textbook(world_size):
+    run_distributed(_worker_peaks, world_size)
+
+
 def _worker_bad_config(rank, world_size):
     with pytest.raises(ValueError, match="stage must be 1 or 2"):
         _zero(0, _make("mlp", 0))
+    zero = load(PHASE, "zero").ZeroOptimizer
+    with pytest.raises(ValueError, match="pass model.parameters()"):
+        zero(_make("mlp", 0), torch.optim.AdamW)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        zero(_make("mlp", 0).requires_grad_(False).parameters(), torch.optim.AdamW)
     model = _make("mlp", 0)
     with pytest.raises(ValueError, match="the root is always a unit"):
         load(PHASE, "fsdp").FullyShardedDataParallel(model, torch.optim.AdamW, units=[model])

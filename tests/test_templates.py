@@ -202,6 +202,9 @@ def _run_demo_on_templates(module: str, err_path: str) -> None:
     os.dup2(fd, 2)
     os.dup2(fd, 1)
     os.environ["DISTLAB_IMPL"] = "templates"
+    os.environ["OMP_NUM_THREADS"] = "1"  # two demos share the two cores
+    torch_threads = __import__("torch").set_num_threads
+    torch_threads(1)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(var, None)
     sys.argv = [module]
@@ -222,13 +225,22 @@ import torch, torch.distributed  # noqa: F401  (imported once, before any fork)
 from test_templates import _run_demo_on_templates
 ctx = mp.get_context("fork")
 out = {{}}
-for module in {DEMOS!r}:
-    err = {str(tmp_path)!r} + "/" + module + ".txt"
-    p = ctx.Process(target=_run_demo_on_templates, args=(module, err))
-    p.start(); p.join(90)
-    if p.is_alive():
-        p.kill(); p.join()
-    out[module] = [p.exitcode, open(err).read()]
+import time
+pending, running = list({DEMOS!r}), {{}}
+while pending or running:
+    while pending and len(running) < 2:  # two at a time: one per core
+        module = pending.pop(0)
+        p = ctx.Process(target=_run_demo_on_templates, args=(module, {str(tmp_path)!r} + "/" + module + ".txt"))
+        p.start()
+        running[module] = (p, time.monotonic())
+    for module, (p, start) in list(running.items()):
+        if p.exitcode is None and time.monotonic() - start > 90:
+            p.kill()
+        if p.exitcode is not None or not p.is_alive():
+            p.join()
+            out[module] = [p.exitcode, open({str(tmp_path)!r} + "/" + module + ".txt").read()]
+            del running[module]
+    time.sleep(0.02)
 print(json.dumps(out))
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from distlab import p2p
 from distlab.comm import check_reduce_op
 from distlab.sync import group_root
 
@@ -45,19 +46,23 @@ def allreduce_reduce_broadcast(tensor: torch.Tensor, op: str = "sum",
     # written into `tensor`, using only point-to-point messages with group rank 0 as the hub.
     # The result must be bitwise the same on every rank and on every run.
     # Collective: every rank of `group` calls it; peers are named by their rank inside `group`,
-    # and a message nobody receives leaves its sender waiting forever.
+    # and a message nobody receives leaves its sender waiting forever. Use `p2p.send`/`p2p.recv`
+    # (NCCL-safe: no tags, no receive from "anyone": the hub names the rank it expects).
+    data = tensor if tensor.is_contiguous() else tensor.contiguous()  # messages are contiguous
     if rank == 0:
-        incoming = torch.empty_like(tensor)
+        incoming = torch.empty_like(data)
         for src in range(1, world_size):  # summed in rank order: the same on every run
-            dist.recv(incoming, group=group, group_src=src)
-            tensor += incoming
+            p2p.recv(incoming, src, group)
+            data += incoming
         if op == "avg":
-            tensor /= world_size
+            data /= world_size
         for dst in range(1, world_size):
-            dist.send(tensor, group=group, group_dst=dst)
+            p2p.send(data, dst, group)
     else:
-        dist.send(tensor, group=group, group_dst=0)
-        dist.recv(tensor, group=group, group_src=0)
+        p2p.send(data, 0, group)
+        p2p.recv(data, 0, group)
+    if data is not tensor:
+        tensor.copy_(data)
     # ### END SOLUTION 1.1
     return tensor
 

@@ -29,10 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-
-def _peer(stage: int, group: dist.ProcessGroup | None) -> int:
-    """Global rank of ``stage`` (stages are the group's ranks, in order)."""
-    return stage if group is None else dist.get_global_rank(group, stage)
+from distlab import p2p
 
 
 def forward_stage(module: nn.Module, x: torch.Tensor | None, recv_shape: tuple[int, ...],
@@ -55,15 +52,16 @@ def forward_stage(module: nn.Module, x: torch.Tensor | None, recv_shape: tuple[i
     # Goal: return (inp, out): this stage's input and its layers' output. Stage 0's input
     # is `x`; any other stage's comes from stage - 1 (into `buf`) and must let backward
     # recover dL/d(input). Every stage but the last hands its output on to stage + 1.
-    # Contract: each send here is matched by the neighbour's recv (same shape and dtype).
+    # Contract: each send here is matched by the neighbour's recv (same shape and dtype);
+    # stages are group ranks (`p2p.send(t, stage + 1, group)`, `p2p.recv(buf, stage - 1, group)`).
     if stage == 0:
         inp = x
     else:
-        dist.recv(buf, src=_peer(stage - 1, group), group=group)
+        p2p.recv(buf, stage - 1, group)
         inp = buf.requires_grad_()  # a leaf: its .grad is what the previous stage needs in backward
     out = module(inp)
     if stage < num_stages - 1:
-        dist.send(out.detach().contiguous(), dst=_peer(stage + 1, group), group=group)
+        p2p.send(out.detach(), stage + 1, group)
     # ### END SOLUTION 2.10
     return inp, out
 
@@ -85,10 +83,10 @@ def backward_stage(inp: torch.Tensor, out: torch.Tensor, group: dist.ProcessGrou
     if stage == num_stages - 1:
         out.backward()
     else:
-        dist.recv(grad, src=_peer(stage + 1, group), group=group)
+        p2p.recv(grad, stage + 1, group)
         out.backward(grad)  # a non-scalar backward needs the upstream gradient
     if stage > 0:
-        dist.send(inp.grad.contiguous(), dst=_peer(stage - 1, group), group=group)
+        p2p.send(inp.grad, stage - 1, group)
     # ### END SOLUTION 2.11
 
 

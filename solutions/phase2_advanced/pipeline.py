@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from distlab import p2p
 from distlab.sync import check_divisible
 
 
@@ -76,8 +77,10 @@ class PipelineStage:
         self.peak_in_flight = 0
         self.losses: list[torch.Tensor] = []  # last stage: each micro-batch's loss / m
         self.events: list[tuple] = []  # (stage, start_s, end_s, kind, label) for plot_timeline
-        self._sends: list = []
-        self._local: dict[int, list[torch.Tensor]] = {}  # messages to itself (p = 1, several chunks)
+        # A send leaves with this stage's next receive, as one launch: in 1F1B's steady state
+        # two neighbours send to each other at once, which NCCL cannot buffer (see distlab.p2p).
+        self.outbox = p2p.Outbox(group)
+        self._local: dict[tuple, list[torch.Tensor]] = {}  # messages to itself (p = 1, several chunks)
 
     @property
     def is_first(self) -> bool:
@@ -87,33 +90,34 @@ class PipelineStage:
     def is_last(self) -> bool:
         return self.stage_id == self.num_stages - 1
 
-    # Messages are tagged by the virtual stage they go to, 2*vs forward and 2*vs+1
-    # backward: each boundary and direction is its own in-order channel.
-    def _recv(self, stage: int, tag: int, shape: tuple[int, ...]) -> torch.Tensor:
+    # Messages have no tags (NCCL has none): between two stages they match in the order they
+    # are sent, and every schedule here receives them in the order its neighbour sends them.
+    # ``key`` (virtual stage, direction) only names the queue of messages a stage sends itself.
+    def _recv(self, stage: int, key: tuple, shape: tuple[int, ...]) -> torch.Tensor:
         if stage == self.stage_id:
-            return self._local[tag].pop(0)
+            return self._local[key].pop(0)
         buf = torch.empty(shape, dtype=self.dtype, device=self.device)
         start = time.perf_counter()
-        src = stage if self.group is None else dist.get_global_rank(self.group, stage)
-        dist.recv(buf, src=src, group=self.group, tag=tag)
+        self.outbox.recv(buf, stage)  # posts the queued sends too, grouped with this receive
         self.events.append((self.stage_id, start, time.perf_counter(), "wait", ""))
         return buf
 
-    def _send(self, t: torch.Tensor, stage: int, tag: int) -> None:
+    def _send(self, t: torch.Tensor, stage: int, key: tuple) -> None:
         if stage == self.stage_id:
-            self._local.setdefault(tag, []).append(t.detach().clone())
+            self._local.setdefault(key, []).append(t.detach().clone())
             return
-        # Asynchronous: a stage never blocks on its own send, so two neighbours sending
-        # to each other at once (1F1B's steady state) cannot deadlock.
-        dst = stage if self.group is None else dist.get_global_rank(self.group, stage)
-        self._sends.append(dist.isend(t.contiguous(), dst=dst, group=self.group, tag=tag))
+        self.outbox.put(t.detach(), stage)  # leaves with the next receive (or flush)
 
     def forward_step(self, mb: int, x: torch.Tensor | None, target: torch.Tensor | None,
                      loss_fn: Callable, num_microbatches: int, chunk: int = 0) -> None:
         """Forward of micro-batch ``mb`` through ``chunk``: receive (or take ``x``), compute, send (or loss / m)."""
         p, vs = self.num_stages, chunk * self.num_stages + self.stage_id
         first, last = vs == 0, vs == p * self.num_chunks - 1
-        inp = x if first else self._recv((self.stage_id - 1) % p, 2 * vs, self.recv_shape).requires_grad_()
+        if first:
+            self.outbox.flush()  # nothing to receive: queued sends go now, not after this compute
+            inp = x
+        else:
+            inp = self._recv((self.stage_id - 1) % p, (vs, "F"), self.recv_shape).requires_grad_()
         start = time.perf_counter()
         out = self.chunks[chunk](inp)
         if last:
@@ -122,7 +126,7 @@ class PipelineStage:
         self.events.append((self.stage_id, start, time.perf_counter(), "F", mb if self.num_chunks == 1
                             else f"{mb}.{chunk}"))
         if not last:
-            self._send(out.detach(), (self.stage_id + 1) % p, 2 * (vs + 1))
+            self._send(out.detach(), (self.stage_id + 1) % p, (vs + 1, "F"))
         self.in_flight[chunk, mb] = (inp, out)
         self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
 
@@ -131,19 +135,21 @@ class PipelineStage:
         p, vs = self.num_stages, chunk * self.num_stages + self.stage_id
         inp, out = self.in_flight.pop((chunk, mb))  # frees this micro-batch's activations afterwards
         last = vs == p * self.num_chunks - 1
-        grad = None if last else self._recv((self.stage_id + 1) % p, 2 * vs + 1, out.shape)
+        if last:
+            self.outbox.flush()
+            grad = None
+        else:
+            grad = self._recv((self.stage_id + 1) % p, (vs, "B"), out.shape)
         start = time.perf_counter()
         torch.autograd.backward(out, grad)
         self.events.append((self.stage_id, start, time.perf_counter(), "B", mb if self.num_chunks == 1
                             else f"{mb}.{chunk}"))
         if vs > 0:
-            self._send(inp.grad, (self.stage_id - 1) % p, 2 * (vs - 1) + 1)
+            self._send(inp.grad, (self.stage_id - 1) % p, (vs - 1, "B"))
 
     def finish(self) -> None:
-        """Wait for every outstanding send (their buffers must live until then)."""
-        for work in self._sends:
-            work.wait()
-        self._sends.clear()
+        """Post the queued sends and wait for every send (their buffers must live until then)."""
+        self.outbox.finish()
 
 
 # --------------------------------------------------------------------------- schedules

@@ -1,0 +1,387 @@
+"""The hang doctor: what every rank was doing when a job stopped moving, and who is to blame.
+
+Every rank keeps a small ring buffer of its last communication ops (op, sequence
+number, bytes, peer, group, start time, done or not) in a memory-mapped file, so
+the records survive the rank: a stopped (SIGSTOP) or crashed rank is read like a
+live one. The records come from wrappers on the public functions of
+``torch.distributed`` (the ones ``CommLedger`` wraps, plus barrier and the object
+collectives); a ``CommLedger`` entered later wraps these wrappers and sees the same calls.
+
+Sequence numbers make the ranks' records comparable: the n-th collective a rank
+enters on a group is ``#n`` of that group on every rank, and the k-th message rank s
+sends to rank r is ``send #k`` on s and ``recv #k`` on r. ``diagnose`` merges the
+ranks' records into one table whose first lines name the culprit:
+
+    rank 3 never entered all_reduce #17 (4 KiB) on WORLD (it returned after barrier #16);
+    ranks 0-2 waiting since 12.3 s
+
+``run_distributed`` reads the files when every rank has been idle for a few seconds
+(and on any timeout or crash); under torchrun, ``start_watchdog`` (started by
+``init_from_env`` when DISTLAB_HANG_TIMEOUT is set) publishes the records to the
+rendezvous store and prints the table when a rank stays blocked that long.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import mmap
+import os
+import sys
+import threading
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from distlab import comm
+
+SLOTS, SLOT_BYTES = 64, 256  # the last 64 ops per rank, 16 KiB
+HANG_TIMEOUT_ENV = "DISTLAB_HANG_TIMEOUT"
+HANG_EXIT_CODE = 75  # a rank the watchdog ended (EX_TEMPFAIL): the job hung, the doctor said why
+
+# op -> the argument holding this rank's payload (as the ledger counts it), plus ops without one
+_OPS = {**comm._PAYLOAD_ARG, "monitored_barrier": None, "all_gather_object": None,
+        "broadcast_object_list": None, "gather_object": None, "scatter_object_list": None}
+_P2P = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
+_NO_SIZE_CHECK = ("all_to_all", "all_to_all_single", "barrier", "monitored_barrier")  # sizes may differ
+
+
+class HangError(RuntimeError):
+    """run_distributed's report of a hang or a mismatched collective: the doctor's table."""
+
+
+class Recorder:
+    """This rank's ring buffer, in a file others can read (or in anonymous memory)."""
+
+    def __init__(self, rank: int, path: str | None = None) -> None:
+        self.rank, self.path = rank, path
+        size = SLOTS * SLOT_BYTES
+        if path:
+            with open(path, "wb") as f:
+                f.write(b" " * size)
+            with open(path, "r+b") as f:
+                self.buf = mmap.mmap(f.fileno(), size)
+        else:
+            self.buf = mmap.mmap(-1, size)
+        self.count = 0
+        self.seq: dict[tuple, int] = defaultdict(int)
+        self.lock = threading.Lock()
+        self.groups: dict[int, tuple] = {}
+
+    def group_key(self, group) -> str:
+        if group is None or group is dist.GroupMember.WORLD:
+            return "WORLD"
+        entry = self.groups.get(id(group))
+        if entry is None:
+            ranks = dist.get_process_group_ranks(group)
+            key = ",".join(map(str, ranks)) if len(ranks) <= 16 else f"{len(ranks)} ranks from {ranks[0]}"
+            entry = self.groups[id(group)] = (group, key)  # holds the group: its id is never reused
+        return entry[1]
+
+    def begin(self, op: str, group, nbytes: int, peer: int | None, async_op: bool) -> dict:
+        key = self.group_key(group)
+        with self.lock:
+            channel = (key, _P2P[op], peer) if op in _P2P else (key,)
+            self.seq[channel] += 1
+            rec = {"i": self.count, "op": op, "seq": self.seq[channel], "g": key, "n": nbytes, "peer": peer,
+                   "t0": time.time(), "t1": None, "async": async_op}
+            self.count += 1
+            self._write(rec)
+        return rec
+
+    def end(self, rec: dict) -> None:
+        rec["t1"] = time.time()
+        with self.lock:
+            self._write(rec)
+
+    def _write(self, rec: dict) -> None:
+        data = json.dumps(rec, separators=(",", ":")).encode()[:SLOT_BYTES]
+        start = (rec["i"] % SLOTS) * SLOT_BYTES
+        self.buf[start:start + SLOT_BYTES] = data.ljust(SLOT_BYTES)
+
+    def records(self) -> list[dict]:
+        return parse(bytes(self.buf))
+
+
+def parse(data: bytes) -> list[dict]:
+    """The records in a ring buffer's bytes, oldest first (a slot torn by a concurrent write is skipped)."""
+    out = []
+    for k in range(len(data) // SLOT_BYTES):
+        chunk = data[k * SLOT_BYTES:(k + 1) * SLOT_BYTES].strip()
+        if chunk:
+            try:
+                out.append(json.loads(chunk))
+            except ValueError:
+                pass
+    return sorted(out, key=lambda r: r["i"])
+
+
+def read_records(path: str) -> list[dict]:
+    try:
+        with open(path, "rb") as f:
+            return parse(f.read())
+    except OSError:
+        return []
+
+
+# --------------------------------------------------------------------------- recording wrappers
+_RECORDER: Recorder | None = None
+
+
+def install(rank: int, path: str | None = None) -> Recorder:
+    """Record this process's communication from now on (once per process)."""
+    global _RECORDER
+    if _RECORDER is None:
+        _RECORDER = Recorder(rank, path)
+        for op, arg in _OPS.items():
+            original = getattr(dist, op, None)
+            if original is not None:
+                setattr(dist, op, _wrap(op, arg, original))
+        dist.batch_isend_irecv = _wrap_batch(dist.batch_isend_irecv)
+        # torch accepts only its own isend/irecv in a P2POp: this P2POp unwraps them
+        dist.P2POp = comm._LedgerP2POp
+    return _RECORDER
+
+
+def _peer(bound: dict) -> int | None:
+    for name in ("dst", "src"):
+        if bound.get(name) is not None:
+            return int(bound[name])
+    for name in ("group_dst", "group_src"):
+        if bound.get(name) is not None:
+            # group=None means WORLD, where group ranks are global ranks (get_global_rank(None, .) raises).
+            return dist.get_global_rank(bound.get("group") or dist.group.WORLD, int(bound[name]))
+    return None
+
+
+def _wrap(op, arg, original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        try:
+            bound = signature.bind(*args, **kwargs).arguments
+        except TypeError:  # let torch raise its own error
+            return original(*args, **kwargs)
+        async_op = bool(bound.get("async_op", op in ("isend", "irecv")))
+        rec = _RECORDER.begin(op, bound.get("group"), comm._nbytes(bound.get(arg)) if arg else 0,
+                              _peer(bound) if op in _P2P else None, async_op)
+        result = original(*args, **kwargs)
+        if not async_op:
+            _RECORDER.end(rec)  # an op that raised stays "not done": where the rank was stuck
+        return result
+
+    wrapper.__wrapped_by_ledger__ = original  # comm._unwrap finds torch's own function
+    return wrapper
+
+
+def _wrap_batch(original):
+    @functools.wraps(original)
+    def wrapper(p2p_op_list):
+        for p in p2p_op_list:
+            name = "isend" if comm._unwrap(p.op) is comm._unwrap(dist.isend) else "irecv"
+            peer = p.peer
+            if peer is None and getattr(p, "group_peer", None) is not None:  # P2POp(..., group_peer=)
+                peer = dist.get_global_rank(p.group or dist.GroupMember.WORLD, p.group_peer)
+            _RECORDER.begin(name, p.group, comm._nbytes(p.tensor), peer, True)
+        return original(p2p_op_list)
+
+    return wrapper
+
+
+# --------------------------------------------------------------------------- diagnosis
+def _size(n: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
+
+
+def _name(rec: dict) -> str:
+    """``all_reduce #17 (4 KiB) on WORLD``, ``recv #2 from rank 1 (16 B)``."""
+    if rec["op"] in _P2P:
+        where = f" {'to' if _P2P[rec['op']] == 'send' else 'from'} rank {rec['peer']}"
+        group = "" if rec["g"] == "WORLD" else f" on group [{rec['g']}]"
+        return f"{rec['op']} #{rec['seq']}{where} ({_size(rec['n'])}){group}"
+    group = "WORLD" if rec["g"] == "WORLD" else f"group [{rec['g']}]"
+    return f"{rec['op']} #{rec['seq']} ({_size(rec['n'])}) on {group}"
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def diagnose(records: dict[int, list[dict]], states: dict[int, str], world_size: int,
+             now: float | None = None) -> tuple[list[str], str]:
+    """Merge the ranks' records into findings (who never arrived, which sizes differ) and a table.
+
+    Args:
+        records: rank -> its ring buffer (``Recorder.records()``), oldest first.
+        states: rank -> what the launcher knows ("running", "stopped (SIGSTOP)", "returned",
+            "died (signal 6)", ...); ranks missing here are "running".
+    Returns:
+        (findings, table): findings name the culprit first; empty when nothing is wrong with
+        the records (every rank in the same op, sizes equal: slow, not stuck).
+    """
+    now = time.time() if now is None else now
+    members = {"WORLD": list(range(world_size))}
+    entered: dict[int, dict] = {}  # rank -> {(group,) or (group, dir, peer): highest seq}
+    by_key: dict[tuple, dict[int, dict]] = defaultdict(dict)  # (group, op kind, seq[, peer pair]) -> rank -> rec
+    for rank, recs in records.items():
+        counts: dict[tuple, int] = defaultdict(int)
+        for r in recs:
+            if r["g"] != "WORLD" and r["g"][0].isdigit() and "ranks" not in r["g"]:
+                members[r["g"]] = [int(x) for x in r["g"].split(",")]
+            if r["op"] in _P2P:
+                channel = (r["g"], _P2P[r["op"]], r["peer"])
+                by_key[(r["g"], _P2P[r["op"]], rank, r["peer"], r["seq"])][rank] = r
+            else:
+                channel = (r["g"],)
+                by_key[(r["g"], r["seq"])][rank] = r
+            counts[channel] = max(counts[channel], r["seq"])
+        entered[rank] = counts
+
+    def state(rank: int) -> str:
+        return states.get(rank, "running")
+
+    def pending(rank: int) -> dict | None:
+        recs = records.get(rank) or []
+        last = recs[-1] if recs else None
+        return last if last and last["t1"] is None and not last["async"] else None
+
+    def whereabouts(rank: int) -> str:
+        recs = records.get(rank) or []
+        p = pending(rank)
+        if p:
+            where = f"it is blocked in {_name(p)} since {now - p['t0']:.1f} s"
+        elif recs:
+            where = f"its last op: {_name(recs[-1])}"
+        else:
+            where = "it has recorded no communication"
+        s = state(rank)
+        return where if s == "running" else f"{s}; {where}"
+
+    findings: list[str] = []
+    for rank in sorted(records):
+        if state(rank).startswith("stopped"):
+            findings.append(f"rank {rank} is {state(rank)}; {whereabouts(rank)}")
+    stopped = list(findings)
+    # collectives: who never entered the op the others wait in; who entered it with another op or size
+    waiting: dict[tuple, list[int]] = defaultdict(list)
+    for rank in sorted(records):
+        p = pending(rank)
+        if p and p["op"] not in _P2P:
+            waiting[(p["g"], p["seq"])].append(rank)
+    for (group, seq), ranks in sorted(waiting.items(), key=lambda kv: kv[0][1]):
+        rec = records[ranks[0]][-1]
+        since = now - min(records[r][-1]["t0"] for r in ranks)
+        absent = [m for m in members.get(group, []) if entered.get(m, {}).get((group,), 0) < seq]
+        for m in absent:
+            findings.append(f"rank {m} never entered {_name(rec)} ({whereabouts(m)})")
+        if absent:
+            findings.append(f"{_ranks(ranks)} waiting in it since {since:.1f} s")
+        arrived = by_key.get((group, seq), {})
+        calls: dict[str, list[int]] = defaultdict(list)
+        for k, r in sorted(arrived.items()):
+            calls[r["op"]].append(k)
+        if len(calls) > 1:  # the odd ones out skipped a collective or called them out of order
+            common = max(calls, key=lambda op: len(calls[op]))
+            example = next(r for k, r in arrived.items() if r["op"] == common)
+            for op, ranks_ in calls.items():
+                if op != common:
+                    findings.append(f"{_ranks(ranks_)} called {_name(arrived[ranks_[0]])} where "
+                                    f"{_ranks(calls[common])} called {_name(example)} (a skipped or reordered collective)")
+        elif rec["op"] not in _NO_SIZE_CHECK and len({r["n"] for r in arrived.values()}) > 1:
+            findings.append(f"{rec['op']} #{seq} sizes differ between ranks: "
+                            + ", ".join(f"rank {k} passed {_size(r['n'])}" for k, r in sorted(arrived.items())))
+    # point to point: a receive nobody sends, a send nobody receives. These come first: a rank
+    # stuck in an unmatched send never reaches the collective its peers wait in.
+    collective_findings, findings = findings[len(stopped):], stopped
+    for rank in sorted(records):
+        recs = records[rank]
+        tail = [r for r in recs[::-1] if r["async"] or r is recs[-1]]  # the op it waits in, or its last async ops
+        tail = [r for r in tail if r["op"] in _P2P and r["t1"] is None]
+        for r in tail[:4]:
+            peer, kind = r["peer"], _P2P[r["op"]]
+            other = "recv" if kind == "send" else "send"
+            got = entered.get(peer, {}).get((r["g"], other, rank), 0) if peer in records else None
+            verb = "waits in" if not r["async"] else "issued"
+            if got is not None and got < r["seq"]:
+                did = "sent it" if kind == "recv" else "received from it"
+                findings.append(f"rank {peer} never posted the {other} matching rank {rank}'s {_name(r)} "
+                                f"(it {did} {got} message(s); {whereabouts(peer)}); rank {rank} {verb} it "
+                                f"since {now - r['t0']:.1f} s")
+            elif got is not None:
+                match = by_key.get((r["g"], other, peer, rank, r["seq"]), {}).get(peer)
+                if match and match["n"] != r["n"]:
+                    findings.append(f"{_name(r)} on rank {rank} is {_size(r['n'])} but the matching {other} "
+                                    f"on rank {peer} is {_size(match['n'])}")
+    return findings + collective_findings, table(records, states, now)
+
+
+def table(records: dict[int, list[dict]], states: dict[int, str], now: float) -> str:
+    rows = [f"{'rank':>4}  {'state':<22} {'last op':<44} {'since':>7}"]
+    for rank in sorted(set(records) | set(states)):
+        recs = records.get(rank) or []
+        last = recs[-1] if recs else None
+        s = states.get(rank, "running")
+        if last is None:
+            rows.append(f"{rank:>4}  {s:<22} {'(no communication recorded)':<44}")
+            continue
+        done = "" if last["t1"] is None and not last["async"] else (" (async)" if last["async"] else " (done)")
+        if s == "running" and not done:
+            s = "blocked"
+        since = now - (last["t1"] or last["t0"])
+        rows.append(f"{rank:>4}  {s:<22} {_name(last) + done:<44} {since:>6.1f}s")
+    return "\n".join(rows)
+
+
+def report(findings: list[str], table_text: str, what: str = "hang") -> str:
+    """One line naming the culprit, then the other findings and the table."""
+    head = f"{what} diagnosed: " + "; ".join(findings[:2])
+    rest = [f"  {f}" for f in findings[2:]]
+    return "\n".join([head, *rest, "what each rank was doing (last communication op):", table_text])
+
+
+# --------------------------------------------------------------------------- torchrun watchdog
+def start_watchdog(store, rank: int, world_size: int, timeout_s: float, interval_s: float | None = None,
+                   exit_on_fire: bool = True) -> threading.Thread:
+    """Under torchrun: publish this rank's records to ``store``; if this rank stays blocked in one
+    op for ``timeout_s``, print the doctor's table for all ranks (the first rank to fire prints)
+    and end the process with ``HANG_EXIT_CODE`` so torchrun tears the job down (or restarts it).
+    """
+    recorder = _RECORDER or install(rank)
+    interval_s = interval_s or max(0.2, min(1.0, timeout_s / 4))
+
+    def loop() -> None:
+        published = None
+        while True:
+            time.sleep(interval_s)
+            recs = recorder.records()
+            blob = json.dumps(recs)
+            if blob != published:
+                store.set(f"doctor/{rank}", blob)
+                published = blob
+            last = recs[-1] if recs else None
+            if not (last and last["t1"] is None and not last["async"] and time.time() - last["t0"] >= timeout_s):
+                continue
+            if store.add("doctor/fired", 1) == 1:
+                keys = [f"doctor/{r}" for r in range(world_size)]
+                everyone = {r: json.loads(store.get(k)) for r, k in enumerate(keys) if store.check([k])}
+                states = {r: "no records published" for r in range(world_size) if r not in everyone}
+                findings, text = diagnose(everyone, states, world_size)
+                print(f"distlab hang doctor (rank {rank}, {HANG_TIMEOUT_ENV}={timeout_s:g}):\n"
+                      + report(findings or ["no rank is missing; every rank is blocked in the same op"], text),
+                      file=sys.stderr, flush=True)
+            if exit_on_fire:
+                os._exit(HANG_EXIT_CODE)
+            return
+
+    thread = threading.Thread(target=loop, name="distlab-hang-watchdog", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,126 @@
+"""distlab.p2p: the NCCL-safe point-to-point layer, and its strict mode on gloo.
+
+The layer is checked against what each rank knows it must receive (every rank builds
+every rank's tensor from a seed) and against CommLedger's byte counts. Strict mode is
+checked on small seeded examples of each NCCL hazard it exists for: each must raise
+``StrictP2PError`` with the reason, although gloo alone runs every one of them.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distlab import p2p
+from distlab.comm import CommLedger
+from distlab.launch import run_distributed
+
+
+def _seeded(rank: int, step: int, n: int = 5, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(n, generator=g).to(dtype)
+
+
+def _worker_layer(rank, world_size):
+    p2p.enable_strict()  # every pattern below must pass NCCL's rules too
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    ledger = CommLedger()
+    with ledger:
+        # A ring step (grouped send right / receive left); at W=2 both go to one peer.
+        got = torch.empty(5)
+        p2p.send_recv(_seeded(rank, 0), right, got, left)
+        assert torch.equal(got, _seeded(left, 0)), f"rank {rank}: ring step received the wrong tensor"
+        # Exchange with a partner, asynchronous, plus an empty tensor that is skipped on both ends.
+        peer = rank ^ 1
+        if peer < world_size:
+            got = torch.empty(5)
+            work = p2p.exchange(_seeded(rank, 1), got, peer, async_op=True)
+            p2p.exchange(torch.empty(0), torch.empty(0), peer)
+            work.wait()
+            assert torch.equal(got, _seeded(peer, 1)), f"rank {rank}: exchange with {peer} received the wrong tensor"
+        # 1F1B's steady state between ranks 0 and 1: 0 sends activations forward and receives
+        # gradients back, 1 the reverse, three micro-batches; the Outbox groups each send with
+        # the next receive, so NCCL never needs to buffer.
+        if rank < 2 and world_size >= 2:
+            box = p2p.Outbox()
+            for mb in range(3):
+                buf = torch.empty(5)
+                if rank == 0:
+                    box.put(_seeded(0, 10 + mb), 1)
+                    box.recv(buf, 1)
+                    assert torch.equal(buf, _seeded(1, 20 + mb)), f"rank 0: gradient {mb} wrong"
+                else:
+                    box.recv(buf, 0)
+                    assert torch.equal(buf, _seeded(0, 10 + mb)), f"rank 1: activation {mb} wrong"
+                    box.put(_seeded(1, 20 + mb), 0)
+            box.finish()
+    expected = 5 * 4 * (1 + (rank ^ 1 < world_size) + 3 * (rank < 2 and world_size >= 2))
+    assert ledger.sent_bytes() == expected, f"rank {rank}: sent {ledger.sent_bytes()} bytes, expected {expected}"
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_p2p_layer_delivers_by_order_and_passes_strict_mode(world_size):
+    assert run_distributed(_worker_layer, world_size, backend="gloo") == [True] * world_size
+
+
+# --------------------------------------------------------------------------- the hazards
+def _worker_hazard(rank, world_size, hazard):
+    p2p.enable_strict()
+    peer = 1 - rank
+    if hazard == "tags":  # (a)+(b): the receiver relies on tags to take the messages out of order
+        first, second = torch.empty(4), torch.empty(4)
+        if rank == 0:
+            dist.send(torch.ones(4), dst=1, tag=1)
+            dist.send(torch.zeros(4), dst=1, tag=2)
+        else:
+            dist.recv(second, src=0, tag=2)
+            dist.recv(first, src=0, tag=1)
+    elif hazard == "dtype":  # (b): the k-th receive does not fit the k-th send
+        if rank == 0:
+            p2p.send(torch.ones(4), 1)
+        else:
+            p2p.recv(torch.empty(4, dtype=torch.int32), 0)
+    elif hazard == "blocking":  # (c): each sends first, then receives; gloo buffers, NCCL would hang
+        dist.send(torch.ones(3), dst=peer)
+        dist.recv(torch.empty(3), src=peer)
+    elif hazard == "1f1b":  # (c): the old pipeline's steady state at p=2, ungrouped isends
+        works = []
+        if rank == 0:
+            works.append(dist.isend(torch.ones(3), dst=1))  # activation 0
+            works.append(dist.isend(torch.ones(3), dst=1))  # activation 1
+            dist.recv(torch.empty(3), src=1)  # gradient 0
+        else:
+            dist.recv(torch.empty(3), src=0)  # activation 0
+            works.append(dist.isend(torch.ones(3), dst=0))  # gradient 0
+            dist.recv(torch.empty(3), src=0)  # activation 1
+        for w in works:
+            w.wait()
+    elif hazard == "any_source":
+        if rank == 0:
+            dist.send(torch.ones(2), dst=1)
+        else:
+            dist.recv(torch.empty(2))
+    elif hazard == "cpu_on_nccl":  # (d): the group's backend would be NCCL for this CPU tensor
+        with p2p.simulate_backend("cpu:gloo,cuda:nccl"):  # a CPU-side gloo backend: allowed
+            p2p.exchange(torch.ones(2), torch.empty(2), peer)
+        with p2p.simulate_backend("nccl"):
+            p2p.exchange(torch.ones(2), torch.empty(2), peer)
+    return True
+
+
+HAZARDS = {
+    "tags": "the tags differ: NCCL ignores tags",
+    "dtype": "expects 16 bytes of int32 .* is 16 bytes of float32",
+    "blocking": "ungrouped opposite sends",
+    "1f1b": "ungrouped opposite sends",
+    "any_source": "NCCL has none",
+    "cpu_on_nccl": "cpu tensor .* backend for cpu tensors is nccl",
+}
+
+
+@pytest.mark.parametrize("hazard", list(HAZARDS))
+def test_strict_mode_catches_nccl_hazard_that_gloo_runs(hazard):
+    with pytest.raises(Exception, match=HAZARDS[hazard]) as info:
+        run_distributed(_worker_hazard, 2, hazard, backend="gloo", timeout_s=30)
+    assert "StrictP2PError" in str(info.value), str(info.value)
