@@ -154,7 +154,7 @@ def untouched_template_results(request, tmp_path_factory) -> dict:
                     if item.originalname == "test_untouched_templates_fail_with_learner_todo"})
     out = tmp_path_factory.mktemp("templates") / "results.json"
     cmd = [sys.executable, "-m", "pytest", *map(str, files), "--impl=templates", f"--results-json={out}",
-           "-q", "-p", "no:cacheprovider", "--timeout=60"]
+           "-q", "-p", "no:cacheprovider", "--timeout=60", "--tb=no"]  # the results file has every message
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert out.is_file(), f"pytest wrote no results (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
     return json.loads(out.read_text())["per_test"]
