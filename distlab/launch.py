@@ -258,8 +258,11 @@ def _child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s
         if backend == "nccl":
             torch.cuda.set_device(rank)
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=pg_timeout_s))
+        try:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=pg_timeout_s))
+        except Exception as exc:  # before any of the caller's code ran: see run_distributed's retry
+            raise InitError(f"process group initialisation failed: {exc}") from exc
         message = ("ok", fn(rank, world_size, *args, **kwargs))
     except BaseException as exc:  # reported to the parent, never swallowed
         message = ("error", type(exc).__module__, type(exc).__qualname__, str(exc),
@@ -330,7 +333,24 @@ def _rebuild(rank: int, module: str, qualname: str, msg: str, tb: str, is_todo: 
 _SECONDARY = ("connection", "closed", "reset", "broken pipe", "timed out", "timeout", "peer")
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "auto",
+class InitError(RuntimeError):
+    """A rank could not join the process group (gloo's mesh set-up), before the caller's code ran."""
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
+    try:
+        return _run_distributed_once(fn, world_size, *args, **kwargs)
+    except RankError as exc:
+        # Only a failure inside init_process_group, before ``fn`` ran in any rank: with worlds
+        # made and torn down many times a second, gloo's mesh set-up on loopback was seen to
+        # fail once in a few hundred worlds ("connectFullMesh ... Connection closed by peer").
+        # Nothing of the caller's has run, so one fresh world (new store, new ports) is safe.
+        if "distlab.launch.InitError" not in str(exc):
+            raise
+        return _run_distributed_once(fn, world_size, *args, **kwargs)
+
+
+def _run_distributed_once(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "auto",
                     timeout_s: float = 60.0, pg_timeout_s: float | None = None, hang_s: float | None = None,
                     **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` fresh ranks.
@@ -407,6 +427,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
             kill_process_tree(marker=marker)
         shutil.rmtree(tmpdir, ignore_errors=True)
 
+
+
+run_distributed.__doc__ = _run_distributed_once.__doc__
 
 class _Watch:
     """The parent's side of the hang doctor: ranks' idleness, their records, the diagnosis."""
