@@ -319,8 +319,13 @@ def diagnose(records: dict[int, list[dict]], states: dict[int, str], world_size:
             elif got is not None:
                 match = by_key.get((r["g"], other, peer, rank, r["seq"]), {}).get(peer)
                 if match and match["n"] != r["n"]:
-                    findings.append(f"{_name(r)} on rank {rank} is {_size(r['n'])} but the matching {other} "
-                                    f"on rank {peer} is {_size(match['n'])}")
+                    # Told from the receiver's side, the one gloo aborts: what arrived, what it expected.
+                    recv, send = (r, match) if kind == "recv" else (match, r)
+                    receiver, sender = (rank, peer) if kind == "recv" else (peer, rank)
+                    findings.append(f"rank {receiver} received {_size(send['n'])} from rank {sender}, expected "
+                                    f"{_size(recv['n'])} (its {recv['op']} #{recv['seq']}): sender and receiver "
+                                    "disagree on the message size; check the chunk index at that step "
+                                    "(off by one?) and the uneven last chunk")
     return findings + collective_findings, table(records, states, now)
 
 

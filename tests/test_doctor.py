@@ -31,6 +31,12 @@ def _worker_mismatched_sizes(rank, world_size):
     dist.all_reduce(torch.ones(4 if rank == 0 else 8))
 
 
+def _worker_mismatched_p2p(rank, world_size):
+    # a ring chunk off by one: rank 0 sends 4 elements where rank 1 expects its 3 (gloo aborts rank 1)
+    x = torch.zeros(4 if rank == 0 else 3)
+    dist.send(x, 1) if rank == 0 else dist.recv(x, 0)
+
+
 def _worker_send_without_recv(rank, world_size):
     if rank == 0:
         dist.send(torch.ones(4), 1)  # rank 1 never posts the matching recv
@@ -58,11 +64,13 @@ def _worker_stopped_rank(rank, world_size):
 @pytest.mark.parametrize("worker, world_size, expected", [
     (_worker_skips_a_collective, 3, ["rank 2 called barrier #2 (0 B) on WORLD where ranks 0, 1 called all_reduce #2 (16 B) on WORLD"]),
     (_worker_mismatched_sizes, 2, ["all_reduce #1 sizes differ between ranks: rank 0 passed 16 B, rank 1 passed 32 B"]),
+    (_worker_mismatched_p2p, 2, ["rank 1 received 16 B from rank 0, expected 12 B (its recv #1): "
+                                 "sender and receiver disagree on the message size; check the chunk index"]),
     (_worker_send_without_recv, 2, ["rank 1 never posted the recv matching rank 0's send #1 to rank 1 (16 B)"]),
     (_worker_pipeline_fewer_microbatches, 3,
      ["rank 0 never posted the send matching rank 1's recv #2 from rank 0 (16 B)"]),
     (_worker_stopped_rank, 3, ["rank 1 is stopped", "rank 1 never entered all_reduce #2 (16 B) on WORLD"]),
-], ids=["skipped-collective", "mismatched-sizes", "send-without-recv", "pipeline-fewer-microbatches",
+], ids=["skipped-collective", "mismatched-sizes", "mismatched-p2p", "send-without-recv", "pipeline-fewer-microbatches",
         "stopped-rank"])
 def test_the_doctor_names_the_culprit_of_each_classic_hang_within_seconds(worker, world_size, expected):
     run_distributed(_worker_skips_a_collective, 1)  # the forkserver's one-time start is not what is timed

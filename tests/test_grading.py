@@ -32,6 +32,26 @@ def test_system_exit():
 @pytest.mark.exercise("9.4 passes")
 def test_passes():
     pass
+
+def _interrupted(rank, world_size):
+    if rank == 1:
+        raise KeyboardInterrupt  # what a learner's stray input() or Ctrl-C handler can leave
+    return rank
+
+def _exits(rank, world_size):
+    if rank == 0:
+        raise SystemExit("")
+    return rank
+
+@pytest.mark.exercise("9.5 keyboard interrupt in a rank")
+def test_keyboard_interrupt_in_a_rank():
+    from distlab.launch import run_distributed
+    run_distributed(_interrupted, 2, timeout_s=30)
+
+@pytest.mark.exercise("9.6 system exit in a rank")
+def test_system_exit_in_a_rank():
+    from distlab.launch import run_distributed
+    run_distributed(_exits, 2, timeout_s=30)
 '''
 
 
@@ -51,7 +71,12 @@ def test_any_learner_exception_still_yields_a_score(tmp_path):
     assert results["score"] == 1 and by_name["9.4 passes"]["score"] == 1
     assert "ValueError (no message)" in by_name["9.1 empty"]["output"]
     assert "différence ≥ 2e-2" in by_name["9.2 unicode"]["output"]
-    assert len(results["per_test"]) == 4, results["per_test"].keys()
+    assert "rank 1" in by_name["9.5 keyboard interrupt in a rank"]["output"]
+    assert "KeyboardInterrupt" in by_name["9.5 keyboard interrupt in a rank"]["output"]
+    assert by_name["9.5 keyboard interrupt in a rank"]["score"] == 0
+    assert "rank 0: SystemExit (no message)" in by_name["9.6 system exit in a rank"]["output"]
+    assert by_name["9.6 system exit in a rank"]["score"] == 0
+    assert len(results["per_test"]) == 6, results["per_test"].keys()
 
 
 def test_student_dir_with_a_space_is_refused_with_the_fix(tmp_path):
