@@ -455,3 +455,21 @@ def test_loss_curves_give_every_series_its_own_style_and_bars_name_their_units(t
     finally:
         plt.Axes.set_ylabel = original
     assert seen["ylabel"] == "sent per step (MiB)" and (tmp_path / "bars.png").stat().st_size > 0
+
+
+def test_no_sync_restores_syncing_when_its_body_raises():
+    # no_sync is given code (distlab.sync.NoSyncMixin), shared by every data-parallel wrapper:
+    # an exception inside the body (a bad batch, an OOM) must not leave gradients unsynchronised.
+    from distlab.sync import NoSyncMixin
+
+    wrapper = NoSyncMixin()
+    with pytest.raises(ZeroDivisionError):
+        with wrapper.no_sync():
+            assert wrapper.require_sync is False
+            1 / 0
+    assert wrapper.require_sync is True, "no_sync left syncing off after its body raised"
+    with wrapper.no_sync():
+        with wrapper.no_sync():
+            pass
+        assert wrapper.require_sync is False, "a nested no_sync turned syncing back on too early"
+    assert wrapper.require_sync is True
