@@ -216,6 +216,9 @@ def _worker_naive_dp(rank, world_size, kind, optim_name):
     trainer = load(PHASE, "trainer")
     baseline = _make(kind, seed=0)
     model = _make(kind, seed=rank)  # different on purpose: the broadcast must fix it
+    with torch.no_grad():  # a fresh BatchNorm's statistics are equal everywhere: make the buffers differ too
+        for b in model.buffers():
+            b.add_(rank)
     trainer.broadcast_parameters(model)
     assert_models_close(model, baseline, rank=rank, step="after broadcast", rtol=0, atol=0)
     base_opt, opt = _optimizer(optim_name, baseline), _optimizer(optim_name, model)
