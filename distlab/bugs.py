@@ -215,6 +215,9 @@ def catalogue(path: Path = CATALOGUE) -> list[Bug]:
     return bugs
 
 
+_CONTROLS: dict[tuple[str, frozenset[str]], tuple[str, str]] = {}  # the unmutated copy's verdict, per run
+
+
 def run_bug(bug: Bug, *, timeout_s: float = 240) -> dict:
     start = time.monotonic()
     mutated = bug.mutated()
@@ -225,10 +228,14 @@ def run_bug(bug: Bug, *, timeout_s: float = 240) -> dict:
     status, message = verdict(results)
     if status == "caught":
         # The control: the same copy without the bug must pass, or the failure is not the bug's.
-        with tempfile.TemporaryDirectory(prefix="distlab-bug-control-") as tmp:
-            control = run_exercises(student_copy(Path(tmp), finished), [bug.exercise], timeout_s=timeout_s,
-                                    stop_first=True)[bug.exercise]
-        control_status, control_message = verdict(control)
+        # Bugs of one exercise share it: it runs once per exercise and finished set.
+        key = (bug.exercise, frozenset(finished))
+        if key not in _CONTROLS:
+            with tempfile.TemporaryDirectory(prefix="distlab-bug-control-") as tmp:
+                control = run_exercises(student_copy(Path(tmp), finished), [bug.exercise], timeout_s=timeout_s,
+                                        stop_first=True)[bug.exercise]
+            _CONTROLS[key] = verdict(control)
+        control_status, control_message = _CONTROLS[key]
         if control_status != "missed":
             status, message = "control failed", f"without the bug: {control_status}: {control_message}"
     return {"id": bug.id, "exercise": bug.exercise, "status": status, "message": message[:300],
