@@ -62,13 +62,22 @@ def _worker_grad_accumulation(rank, world_size, kind):
         trainable = [p for p in model.module.parameters() if p.requires_grad]
         for step in range(ACC_STEPS):
             x, y = _acc_batch(kind, step)
+            with torch.no_grad():  # what the step must report: the mean loss over this rank's whole batch
+                expected_loss = _loss(baseline(shard(x, rank, world_size)), shard(y, rank, world_size))
             base_opt.zero_grad(set_to_none=True)
             _loss(baseline(x), y).backward()  # one step on the whole global batch
             base_opt.step()
             ledger = CommLedger()
             with ledger:
-                acc.train_step(model, opt, _loss, shard(x, rank, world_size), shard(y, rank, world_size), micro)
+                reported = acc.train_step(model, opt, _loss, shard(x, rank, world_size), shard(y, rank, world_size),
+                                          micro)
             what = f"micro-batch {micro} ({k} micro-steps of local batch {local})"
+            # the step may sum in float32 (its `total`): 1e-6 relative; the last micro-batch's loss alone
+            # or an unweighted sum is off by far more
+            assert abs(float(reported) - expected_loss.item()) <= 1e-6 * max(1.0, abs(expected_loss.item())), \
+                f"rank {rank}, step {step}, {what}: the step reported loss {float(reported):.6f}, expected " \
+                f"{expected_loss.item():.6f} (the mean over the rank's batch: every micro-batch's loss, weighted " \
+                "by its size)"
             # float64: reordered sums differ by ~1e-16; 1e-10 still catches a 1/k instead
             # of n_i/n_local weighting (off by a whole factor on the uneven micro-batch),
             # a gradient reduced twice, or a missing 1/W.
