@@ -129,7 +129,9 @@ def _worker_ddp(rank, world_size, impl, kind, n_buckets_list, find_unused=False)
             _baseline_step(baseline, base_opt, kind, x, y, world_size)
             builtin.zero_grad(set_to_none=True)
             _loss(builtin(xs, **_use_b(kind, rank)), ys).backward()
-            opt.zero_grad(set_to_none=True)
+            # Both conventions: gradients kept as zeroed tensors (set_to_none=False) expose work left
+            # over from the previous step (a handle waited and divided again).
+            opt.zero_grad(set_to_none=step % 2 == 0)
             ledger = CommLedger()
             with ledger:
                 _loss(ddp(xs, **_use_b(kind, rank)), ys).backward()
@@ -148,7 +150,7 @@ def _worker_ddp(rank, world_size, impl, kind, n_buckets_list, find_unused=False)
             bitmap = 4 * len(trainable) if find_unused else 0
             assert ledger.bytes("all_reduce") == grad_bytes + bitmap, \
                 f"{what}: {ledger.bytes('all_reduce')} B all-reduced, expected {grad_bytes + bitmap}"
-            if calls_when_first_ready and n_buckets > 1:
+            if calls_when_first_ready and (impl == "overlap" or n_buckets > 1):
                 # The last gradient of backward: earlier buckets must already be in flight.
                 assert calls_when_first_ready[-1] >= 1, \
                     f"{what}: no all-reduce launched before backward ended (no overlap)"
