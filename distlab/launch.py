@@ -314,7 +314,7 @@ def _rebuild(rank: int, module: str, qualname: str, msg: str, tb: str, is_todo: 
     if is_todo:
         # One line: the learner needs the TODO and the guideline section, not a traceback.
         return LearnerTODO(f"{lead}{msg}")
-    text = f"{lead}{msg}"
+    text = f"{lead}{msg if msg.strip() else qualname.rsplit('.', 1)[-1] + ' (no message)'}"
     exc_type = getattr(builtins, qualname, None) if module == "builtins" else None
     exc = None
     if isinstance(exc_type, type) and issubclass(exc_type, Exception):
