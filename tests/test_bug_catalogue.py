@@ -41,3 +41,38 @@ def test_gloo_size_mismatch_is_translated():
         "rank 2 received 16 bytes, expected 12: sender and receiver disagree on the message size; "
         "check the chunk index at step 1")
     assert translate_size_mismatch("Connection closed by peer", rank=2) is None
+
+
+def _worker_forgotten_division(rank, world_size, source):
+    # The seeded bug's trainer, run directly (no scratch copy): one gradient all-reduce.
+    import types
+
+    import torch
+
+    from distlab.models import ToyMLP, seeded
+    from distlab.testing import assert_grads_close, shard
+
+    trainer = types.ModuleType("trainer_with_bug")
+    exec(compile(source, "trainer.py", "exec"), trainer.__dict__)
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    y = torch.arange(8) % 3
+    baseline, model = seeded(ToyMLP, 0, 6, 10, 3).double(), seeded(ToyMLP, 0, 6, 10, 3).double()
+    torch.nn.functional.cross_entropy(baseline(x), y).backward()
+    torch.nn.functional.cross_entropy(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+    trainer.allreduce_gradients(model)
+    try:
+        assert_grads_close(model, baseline, rank=rank, step=0, rtol=1e-10, atol=1e-10)
+    except AssertionError as exc:
+        return str(exc)
+    return "no difference"
+
+
+def test_a_forgotten_division_is_named_as_a_factor():
+    # The message the learner sees for the classic bug: the factor and its likely cause.
+    from distlab.launch import run_distributed
+
+    (bug,) = [b for b in bugs.catalogue() if b.id == "1.7-never-divided"]
+    messages = run_distributed(_worker_forgotten_division, 2, bug.mutated())
+    assert messages[1].startswith("rank 1, step 0, gradient of fc1.weight: max abs diff"), messages[1]
+    assert "it is 2.00x the expected value everywhere: summed where a mean was due (never divided by W?)" \
+        in messages[1], messages[1]

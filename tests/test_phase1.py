@@ -21,7 +21,7 @@ from distlab import p2p
 from distlab.comm import CommLedger
 from distlab.launch import run_distributed
 from distlab.models import TiedFrozenModel, TinyCNN, ToyMLP, seeded
-from distlab.testing import assert_models_close, assert_ranks_identical, assert_tensors_close, shard
+from distlab.testing import assert_grads_close, assert_models_close, assert_ranks_identical, assert_tensors_close, shard
 
 PHASE = "phase1_data_parallel"
 WORLD_SIZES = [1, 2, 3, 4]
@@ -231,7 +231,9 @@ def _worker_naive_dp(rank, world_size, kind, optim_name):
         with ledger:
             trainer.train_step(model, opt, _loss, shard(x, rank, world_size), shard(y, rank, world_size))
         # float64 everywhere: reordered sums differ by ~1e-16, so 1e-10 still catches a
-        # missing 1/W (a factor of 2) or a gradient reduced twice.
+        # missing 1/W (a factor of 2) or a gradient reduced twice. Gradients first: a wrong
+        # factor is named there ("2.00x the expected value"), the updated weights only differ.
+        assert_grads_close(model, baseline, rank=rank, step=step, rtol=1e-10, atol=1e-10)
         assert_models_close(model, baseline, rank=rank, step=step, rtol=1e-10, atol=1e-10)
         # One all-reduce per trainable parameter (the tied one once, the frozen one
         # never) plus one per floating buffer: nothing reduced twice, nothing missed.
