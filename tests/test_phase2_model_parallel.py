@@ -67,10 +67,21 @@ def _all_reduce_calls(ledger: CommLedger) -> tuple[int, int]:
 def _worker_tp_primitives(rank, world_size, bench=False):
     # bench: distlab.tp, the reference copy that template_tensor_parallel.py builds on (2.17-2.20).
     tp = importlib.import_module("distlab.tp") if bench else load(PHASE, "tp_primitives")
-    W = world_size
+    _check_tp_primitives(tp, rank, list(range(world_size)), None)
+    if world_size == 4:
+        # On subgroups whose ranks differ from the global ones ({0, 2} and {1, 3}: global rank 2 is
+        # rank 1 of its group): a primitive that uses the global rank or WORLD is wrong here only.
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        members = [0, 2] if rank % 2 == 0 else [1, 3]
+        _check_tp_primitives(tp, rank, members, groups[rank % 2])
+
+
+def _check_tp_primitives(tp, rank, members, group):
+    W, me = len(members), members.index(rank)  # the group's size and this rank's place in it
+    where = f"rank {rank}" + ("" if group is None else f" (rank {me} of the group of global ranks {members})")
     shape = (3, 4 * 3)  # last dim 12 divides by 1, 2, 3 and 4
-    xs = [_randn(*shape, seed=10 + r) for r in range(W)]       # each rank's input
-    gs = [_randn(*shape, seed=20 + r) for r in range(W)]       # each rank's upstream gradient
+    xs = [_randn(*shape, seed=10 + r) for r in members]       # each member's input
+    gs = [_randn(*shape, seed=20 + r) for r in members]       # each member's upstream gradient
     nbytes = xs[0].numel() * 8
     calls = 1
 
@@ -78,22 +89,22 @@ def _worker_tp_primitives(rank, world_size, bench=False):
         x = x.clone().requires_grad_()
         fwd, bwd = CommLedger(), CommLedger()
         with fwd:
-            y = fn(x, None)
+            y = fn(x, group)
         with bwd:
             y.backward(g)
         return y.detach(), x.grad, fwd, bwd
 
     # copy_to_region: identity forward, gradient summed over ranks.
-    y, gx, fwd, bwd = run(tp.copy_to_region, xs[rank], gs[rank])
-    what = f"rank {rank}, W={W}, copy_to_region"
-    assert_tensors_close(y, xs[rank], f"{what} forward", **EXACT)
+    y, gx, fwd, bwd = run(tp.copy_to_region, xs[me], gs[me])
+    what = f"{where}, W={W}, copy_to_region"
+    assert_tensors_close(y, xs[me], f"{what} forward", **EXACT)
     assert_tensors_close(gx, sum(gs), f"{what} backward (sum of every rank's gradient)", **TOL)
     assert (fwd.calls(), bwd.calls("all_reduce"), bwd.bytes("all_reduce")) == (0, calls, calls * nbytes), \
         f"{what}: forward {fwd.summary()}, backward {bwd.summary()}; expected one all-reduce of {nbytes} B backward"
 
     # reduce_from_region: sum forward, identity backward (the doubled-gradient bug lives here).
-    y, gx, fwd, bwd = run(tp.reduce_from_region, xs[rank], gs[0])  # replicated output: same grad everywhere
-    what = f"rank {rank}, W={W}, reduce_from_region"
+    y, gx, fwd, bwd = run(tp.reduce_from_region, xs[me], gs[0])  # replicated output: same grad everywhere
+    what = f"{where}, W={W}, reduce_from_region"
     assert_tensors_close(y, sum(xs), f"{what} forward (sum over ranks)", **TOL)
     assert_tensors_close(gx, gs[0], f"{what} backward (identity; W times this means an all-reduce too many)", **EXACT)
     assert (fwd.calls("all_reduce"), fwd.bytes("all_reduce"), bwd.calls()) == (calls, calls * nbytes, 0), \
@@ -101,18 +112,18 @@ def _worker_tp_primitives(rank, world_size, bench=False):
 
     # gather_from_region: concatenate forward, own slice of the gradient backward.
     g_full = _randn(3, 12 * W, seed=30)
-    y, gx, fwd, bwd = run(tp.gather_from_region, xs[rank], g_full)
-    what = f"rank {rank}, W={W}, gather_from_region"
+    y, gx, fwd, bwd = run(tp.gather_from_region, xs[me], g_full)
+    what = f"{where}, W={W}, gather_from_region"
     assert_tensors_close(y, torch.cat(xs, -1), f"{what} forward (concatenation in rank order)", **EXACT)
-    assert_tensors_close(gx, g_full.chunk(W, -1)[rank], f"{what} backward (own slice)", **EXACT)
+    assert_tensors_close(gx, g_full.chunk(W, -1)[me], f"{what} backward (own slice)", **EXACT)
     assert bwd.calls() == 0 and fwd.calls() == calls, f"{what}: forward {fwd.summary()}, backward {bwd.summary()}"
 
     # scatter_to_region: own slice forward, gradients gathered backward.
     x_full = _randn(3, 12, seed=40)
-    g_local = [_randn(3, 12 // W, seed=50 + r) for r in range(W)]
-    y, gx, fwd, bwd = run(tp.scatter_to_region, x_full, g_local[rank])
-    what = f"rank {rank}, W={W}, scatter_to_region"
-    assert_tensors_close(y, x_full.chunk(W, -1)[rank], f"{what} forward (own slice)", **EXACT)
+    g_local = [_randn(3, 12 // W, seed=50 + r) for r in members]
+    y, gx, fwd, bwd = run(tp.scatter_to_region, x_full, g_local[me])
+    what = f"{where}, W={W}, scatter_to_region"
+    assert_tensors_close(y, x_full.chunk(W, -1)[me], f"{what} forward (own slice)", **EXACT)
     assert_tensors_close(gx, torch.cat(g_local, -1), f"{what} backward (gathered slices)", **EXACT)
     assert fwd.calls() == 0 and bwd.calls() == calls, f"{what}: forward {fwd.summary()}, backward {bwd.summary()}"
 
