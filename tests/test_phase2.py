@@ -17,7 +17,7 @@ from distlab import load
 from distlab.comm import CommLedger
 from distlab.launch import run_distributed
 from distlab.models import GPTConfig, TiedFrozenModel, TinyGPT, ToyMLP, seeded
-from distlab.testing import assert_grads_close, assert_models_close, assert_ranks_identical, shard
+from distlab.testing import assert_grads_close, assert_models_close, assert_ranks_identical, assert_tensors_close, shard
 
 PHASE = "phase2_advanced"
 WORLD_SIZES = [1, 2, 3, 4]
@@ -235,9 +235,28 @@ def _mp_batch(kind: str, step: int):
     return x, torch.roll(x, 1, dims=1)
 
 
+def _check_low_precision_gradients(mp, rank, world_size, dtype):
+    """Gradients kept in bf16/fp16 (a low-precision model, no fp32 master copy): the mean is summed
+    in fp32 and written back into p.grad, which keeps its dtype. Each rank's 30000 sums past fp16's
+    65504 at W >= 3 but the mean fits: only an fp32 sum gets it right."""
+    layer = nn.Linear(4, 3).to(dtype)
+    grads = [torch.full((3, 4), 30000.0) + torch.arange(12.0).view(3, 4) * (r + 1) for r in range(world_size)]
+    layer.weight.grad = grads[rank].to(dtype)
+    layer.bias.grad = None  # no gradient: left alone
+    mp.allreduce_gradients_fp32(layer)
+    expected = (sum(g.to(dtype).float() for g in grads) / world_size).to(dtype)
+    what = f"rank {rank}, W={world_size}, {dtype} gradients"
+    assert layer.weight.grad.dtype == dtype, f"{what}: p.grad became {layer.weight.grad.dtype}; it keeps its dtype"
+    assert layer.bias.grad is None, f"{what}: a parameter without a gradient got one"
+    assert_tensors_close(layer.weight.grad, expected, f"{what}: the fp32 mean, written back into p.grad",
+                         rtol=0, atol=0)  # one rounding, from the same fp32 value: bitwise
+
+
 def _worker_mixed_precision_dp(rank, world_size, dtype_name, scaler_kind):
     mp = load(PHASE, "mixed_precision")
     dtype = getattr(torch, dtype_name)
+    if scaler_kind == "torch":  # 2.5's own test
+        _check_low_precision_gradients(mp, rank, world_size, dtype)
     for kind in ("mlp", "tied_frozen"):
         baseline = _mp_model(kind)
         model = _mp_model(kind)  # replicas start equal (Phase 1 broadcasts; here: same seed)
