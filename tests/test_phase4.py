@@ -687,6 +687,19 @@ def _worker_gather(rank, world_size):
             assert got is None, f"{what}: only rank 0 gets the result, got {got}"
         assert ledger.summary() == {"gather": {"calls": 1, "bytes": 8 * n}}, \
             f"{what}: expected one gather of {8 * n} B, saw {ledger.summary()}"
+    if world_size >= 3:
+        # A subgroup without global rank 0 ({1, 2}: its rank 0 is global rank 1): "rank 0" is the
+        # group's, and the destination must be named by its global rank.
+        members = [1, 2]
+        group = dist.new_group(members)
+        if rank in members:
+            values = [rank + 0.5, -rank]
+            got = mon.gather_to_rank0(values, group=group)
+            what = f"rank {rank}, group of global ranks {members}"
+            if rank == members[0]:
+                assert got == [[m + 0.5, -m] for m in members], f"{what}: {got}"
+            else:
+                assert got is None, f"{what}: only the group's rank 0 gets the result, got {got}"
 
 
 @pytest.mark.exercise("4.11 gather metrics to rank 0")
