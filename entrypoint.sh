@@ -79,6 +79,20 @@ MAX_RESTARTS=${MAX_RESTARTS:-0}
 if [[ "$NPROC" == "gpu" ]]; then
   NPROC=$(python -c "import torch; print(max(1, torch.cuda.device_count()))")
 fi
+# Bad values stop here with what to write instead, not deep inside torchrun.
+bad() { echo "entrypoint.sh: $*" >&2; exit 2; }
+[[ "$NPROC" =~ ^[1-9][0-9]*$ ]] ||
+  bad "NPROC='$NPROC' is not a number of processes per node: use a positive integer (NPROC=2), or NPROC=gpu"
+[[ "$NNODES" =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]] ||
+  bad "NNODES='$NNODES' is not a number of nodes: use a positive integer (NNODES=2)," \
+      "or MIN:MAX for an elastic job (NNODES=2:4)"
+if [[ "$NNODES" == *:* ]] && (( ${NNODES%:*} > ${NNODES#*:} )); then
+  bad "NNODES='$NNODES': the minimum is above the maximum; use NNODES=${NNODES#*:}:${NNODES%:*}"
+fi
+[[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] ||
+  bad "MAX_RESTARTS='$MAX_RESTARTS' is not a number of restarts: use a whole number (MAX_RESTARTS=3), or 0 for none"
+[[ -z "${NODE_RANK:-}" || "$NODE_RANK" =~ ^[0-9]+$ ]] ||
+  bad "NODE_RANK='$NODE_RANK' is not a node rank: use 0 on the first node, 1 on the next, ... (NODE_RANK=0)"
 
 cd "$(dirname "$0")"
 args=(--nproc_per_node="$NPROC" --max_restarts="$MAX_RESTARTS")

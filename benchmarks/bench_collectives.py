@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from benchmarks.common import RESULTS, machine_info, write_result
 from benchmarks.harness import Contender, format_row, launch, load_of, measure, ratio_row
+from distlab import p2p
 from distlab.metrics import format_bytes, format_table
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -59,13 +60,8 @@ def _loopback_exchange(send: torch.Tensor, recv: torch.Tensor, steps: int) -> No
     """``steps`` times: send ``send`` to the right neighbour while receiving ``recv`` from the left."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
-    for _ in range(steps):
-        if dist.get_backend() == "nccl":  # NCCL: the pair in one group, or neighbours deadlock
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right), dist.P2POp(dist.irecv, recv, left)])
-        else:  # gloo: both posted before either is waited on, as the ring does
-            works = [dist.isend(send, right), dist.irecv(recv, left)]
-        for work in works:
-            work.wait()
+    for _ in range(steps):  # the pair in one launch, as the ring posts it (NCCL-safe: distlab.p2p)
+        p2p.send_recv(send, right, recv, left)
 
 
 def _worker(rank: int, world_size: int, sizes: list[int], quick: bool) -> dict:

@@ -78,8 +78,9 @@ def _build(name: str):
         zo = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=int(name[-1]), **ADAMW)
         return model, zo.step, zo.zero_grad, lambda: {**zo.memory_bytes(), **_peaks(zo)}
     if name == "ours ZeRO-3":
-        fsdp = FullyShardedDataParallel(model, torch.optim.AdamW, **ADAMW)
-        return fsdp, fsdp.step, fsdp.zero_grad, lambda: {**fsdp.memory_bytes(), **_peaks(fsdp)}
+        fsdp = FullyShardedDataParallel(model)
+        opt = torch.optim.AdamW(fsdp.parameters(), **ADAMW)  # torch's, on our flat shards
+        return fsdp, opt.step, opt.zero_grad, lambda: {**fsdp.memory_bytes(), **_peaks(fsdp)}
     from torch.distributed.fsdp import fully_shard  # FSDP2: reshard after forward = ZeRO-3, without = ZeRO-2
     reshard = "reshard_after_forward=False" not in name
     for layer in model:

@@ -23,30 +23,45 @@ import time
 import torch
 import torch.distributed as dist
 
-from distlab.data import per_rank_batch, synthetic_tokens
+from demos.sizes import global_batch, positive
+from distlab.data import synthetic_tokens
 from distlab.launch import init_from_env, shutdown
 from distlab.loader import load
-from distlab.metrics import format_bytes, format_table, log0, median, progress
+from distlab.metrics import format_bytes, format_table, log0, median, progress, sync_device
 from distlab.models import Block, GPTConfig, TinyGPT
 from distlab.sync import allreduce_gradients
 from distlab.testing import shard
 from distlab.todo import run_demo
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Data-parallel TinyGPT with and without activation checkpointing.")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=4, help="untimed steps at the start of each run")
-    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="default: 16, rounded up to a multiple of the world size")
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """A global batch the ranks share equally (see demos/sizes.py); some steps timed."""
+    positive(args, "--steps", "--n-layer")
+    args.global_batch = global_batch(args.global_batch, 16, world_size)
+    if not 0 <= args.warmup < args.steps:
+        raise ValueError(f"--warmup {args.warmup} must be below --steps {args.steps}: some steps must be timed; "
+                         f"use --warmup {min(4, args.steps - 1)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     ac = load("phase2_advanced", "activation_checkpointing")
     env = init_from_env()
     try:
-        local_batch = per_rank_batch(args.global_batch, env.world_size)  # a clear error if it does not divide
-        if not 0 <= args.warmup < args.steps:
-            raise ValueError(f"--warmup {args.warmup} must be below --steps {args.steps}: some steps must be timed")
+        args = resolve_args(args, env.world_size)
+        local_batch = args.global_batch // env.world_size
         cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=args.n_layer, n_head=4, n_embd=64, dropout=0.1)
         data = synthetic_tokens(n_seq=args.steps * args.global_batch, seq_len=32, vocab_size=64, seed=0)
         # What one block saves for backward (its input included), measured on a spare
@@ -77,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
                 loss.backward()
                 allreduce_gradients(model.parameters())  # Phase 1's gradient average
                 optimizer.step()
+                sync_device(env.device)  # CUDA work is queued: time it when it is done
                 step_s.append(time.perf_counter() - start)
             timed = sorted(step_s[args.warmup:])
             dist.all_reduce(loss)

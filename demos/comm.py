@@ -19,16 +19,17 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from demos.sizes import positive
 from distlab import p2p
 from distlab.comm import CommLedger, reduce_scatter_single
 from distlab.launch import DistEnv, init_from_env, shutdown
 from distlab.loader import load
-from distlab.metrics import format_bytes, format_table, log0, median, time_repeats
+from distlab.metrics import format_bytes, format_table, log0, median, sync_device, time_repeats
 from distlab.todo import run_demo
 
 
-def show_primitives(rank: int, world_size: int) -> None:
-    """Run each primitive once on ``tensor([rank])`` and print every rank's result on rank 0."""
+def show_primitives(rank: int, world_size: int, device: torch.device) -> None:
+    """Run each primitive once on ``tensor([rank])`` (on ``device``) and print every rank's result on rank 0."""
 
     def show(name: str, value) -> None:
         values = [None] * world_size
@@ -36,30 +37,31 @@ def show_primitives(rank: int, world_size: int) -> None:
         log0(f"{name:<36} " + "  ".join(f"r{r}:{v}" for r, v in enumerate(values)))
 
     log0(f"== the primitives on {world_size} ranks; rank r starts from tensor([r]) ==")
-    t = torch.tensor([float(rank)])
+    t = torch.tensor([float(rank)], device=device)
     dist.broadcast(t, src=0)
     show("broadcast from 0", t.tolist())
-    t = torch.tensor([float(rank)])
+    t = torch.tensor([float(rank)], device=device)
     dist.reduce(t, dst=0)
     show("reduce(sum) to 0 (others undefined)", t.tolist() if rank == 0 else "-")
-    t = torch.tensor([float(rank)])
+    t = torch.tensor([float(rank)], device=device)
     dist.all_reduce(t)
     show("all_reduce(sum)", t.tolist())
-    gathered = [torch.zeros(1) for _ in range(world_size)] if rank == 0 else None
-    dist.gather(torch.tensor([float(rank)]), gathered, dst=0)
+    gathered = [torch.zeros(1, device=device) for _ in range(world_size)] if rank == 0 else None
+    dist.gather(torch.tensor([float(rank)], device=device), gathered, dst=0)
     show("gather to 0", [x.item() for x in gathered] if rank == 0 else "-")
-    out = [torch.zeros(1) for _ in range(world_size)]
-    dist.all_gather(out, torch.tensor([float(rank)]))
+    out = [torch.zeros(1, device=device) for _ in range(world_size)]
+    dist.all_gather(out, torch.tensor([float(rank)], device=device))
     show("all_gather", [x.item() for x in out])
-    piece = torch.zeros(1)
-    dist.scatter(piece, [torch.tensor([10.0 * r]) for r in range(world_size)] if rank == 0 else None, src=0)
+    piece = torch.zeros(1, device=device)
+    pieces = [torch.tensor([10.0 * r], device=device) for r in range(world_size)] if rank == 0 else None
+    dist.scatter(piece, pieces, src=0)
     show("scatter [0, 10, 20, ...] from 0", piece.tolist())
-    mine = torch.zeros(1)
-    reduce_scatter_single(mine, torch.arange(world_size, dtype=torch.float32) + rank)
+    mine = torch.zeros(1, device=device)
+    reduce_scatter_single(mine, torch.arange(world_size, dtype=torch.float32, device=device) + rank)
     show("reduce_scatter(arange(W) + r)", mine.tolist())
-    got = torch.zeros(1)
+    got = torch.zeros(1, device=device)
     if world_size > 1 and rank == 0:
-        p2p.send(torch.tensor([42.0]), 1)  # NCCL-safe point-to-point: distlab/p2p.py
+        p2p.send(torch.tensor([42.0], device=device), 1)  # NCCL-safe point-to-point: distlab/p2p.py
     elif world_size > 1 and rank == 1:
         p2p.recv(got, 0)
     show("send 42 from 0 to 1 / recv", got.tolist())
@@ -72,8 +74,7 @@ def time_allreduce(fn: Callable[[torch.Tensor], object], tensor: torch.Tensor, r
     def together() -> None:
         # A barrier before each clock read: all ranks start at once, and a rank that
         # finishes early still waits for the collective to finish everywhere.
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync_device(device)
         dist.barrier()
 
     work = tensor.clone()  # the all-reduces work in place: keep the caller's tensor intact
@@ -96,14 +97,25 @@ def compare_allreduces(env: DistEnv, numel: int, repeats: int) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=1 << 20, help="elements in the benchmark tensor")
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Nothing here depends on the world size; the sizes must be positive."""
+    positive(args, "--numel", "--repeats")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     env = init_from_env()
     try:
-        show_primitives(env.rank, env.world_size)
+        args = resolve_args(args, env.world_size)
+        show_primitives(env.rank, env.world_size, env.device)
         rows = compare_allreduces(env, args.numel, args.repeats)
         log0(f"\n== all-reduce of {format_bytes(args.numel * 4)} on {env.world_size} ranks "
              f"({env.backend}), median of {args.repeats} ==")

@@ -10,7 +10,7 @@ See phase3_multi_node/guidelines_ddp_zero.md#ddp-buckets.
 """
 from __future__ import annotations
 
-from demos.data_parallel_overlap import train_demo
+from demos.data_parallel_overlap import build_parser, resolve_args, train_demo  # noqa: F401 (the same flags)
 from distlab.loader import load
 from distlab.todo import run_demo
 

@@ -21,7 +21,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from distlab.data import digits, per_rank_batch
+from demos.sizes import global_batch, positive
+from distlab.data import digits
 from distlab.launch import init_from_env, shutdown
 from distlab.loader import load
 from distlab.metrics import format_table, log0, progress
@@ -40,18 +41,30 @@ def evaluate(model: nn.Module, dataset: Dataset, device: torch.device, batch_siz
     return correct / len(dataset)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Naive data-parallel training of TinyCNN on digits.")
     parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--global-batch", type=int, default=48,
-                        help="divisible by 1, 2, 3, 4, 6, 8, 12, 16 and 24 ranks")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="default: 48 (it divides by 1, 2, 3, 4, 6, 8, 12, 16 and 24 ranks), "
+                             "else rounded up to a multiple of the world size")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--image-size", type=int, default=16)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """A global batch the ranks share equally (see demos/sizes.py)."""
+    positive(args, "--epochs", "--image-size")
+    args.global_batch = global_batch(args.global_batch, 48, world_size)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     env = init_from_env()
     try:
+        args = resolve_args(args, env.world_size)
         trainer = load("phase1_data_parallel", "trainer")
-        per_rank_batch(args.global_batch, env.world_size)  # a clear error if it does not divide
         train, test = digits("train", args.image_size), digits("test", args.image_size)
         torch.manual_seed(env.rank)  # deliberately different: the broadcast makes replicas equal
         model = TinyCNN(num_classes=10).to(env.device)

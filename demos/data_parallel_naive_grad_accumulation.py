@@ -22,27 +22,41 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler
 
+from demos.sizes import global_batch, positive
 from distlab.comm import CommLedger
-from distlab.data import digits, per_rank_batch
+from distlab.data import digits
 from distlab.launch import init_from_env, shutdown
 from distlab.loader import load
-from distlab.metrics import format_bytes, format_table, log0, progress
+from distlab.metrics import format_bytes, format_table, log0, progress, sync_device
 from distlab.models import TinyCNN
 from distlab.todo import run_demo
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Data-parallel TinyCNN on digits with gradient accumulation.")
     parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--global-batch", type=int, default=64)
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="default: 64, rounded up to a multiple of the world size")
     parser.add_argument("--micro-batch", type=int, default=8, help="samples per forward/backward on one rank")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--image-size", type=int, default=16)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """A global batch the ranks share equally (see demos/sizes.py)."""
+    positive(args, "--epochs", "--micro-batch", "--image-size")
+    args.global_batch = global_batch(args.global_batch, 64, world_size)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     acc = load("phase2_advanced", "grad_accumulation")
     env = init_from_env()
     try:
-        local_batch = per_rank_batch(args.global_batch, env.world_size)  # a clear error if it does not divide
+        args = resolve_args(args, env.world_size)
+        local_batch = args.global_batch // env.world_size
         k = -(-local_batch // args.micro_batch)  # ceil: the last micro-batch may be smaller
         train, test = digits("train", args.image_size), digits("test", args.image_size)
         torch.manual_seed(0)
@@ -69,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
                 steps += 1
                 if hasattr(bar, "set_postfix"):
                     bar.set_postfix(loss=f"{loss.item() / env.world_size:.3f}")
+        sync_device(env.device)  # CUDA work is queued: time it when it is done
         elapsed = time.perf_counter() - start
         model.eval()
         with torch.no_grad():  # the whole test set in one batch (360 small images)

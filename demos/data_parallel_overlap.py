@@ -20,13 +20,31 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler
 
+from demos.sizes import global_batch, positive
 from distlab.comm import CommLedger
-from distlab.data import digits, per_rank_batch
+from distlab.data import digits
 from distlab.launch import init_from_env, shutdown
 from distlab.loader import load
-from distlab.metrics import format_bytes, format_table, log0, progress
+from distlab.metrics import format_bytes, format_table, log0, progress, sync_device
 from distlab.models import TinyCNN
 from distlab.todo import run_demo
+
+
+def build_parser(description: str = "TinyCNN on digits under a DDP wrapper.") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="default: 64, rounded up to a multiple of the world size")
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--bucket-mb", type=float, default=0.01, help="bucket size (bucketed wrapper only)")
+    return parser
+
+
+def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """A global batch the ranks share equally (see demos/sizes.py)."""
+    positive(args, "--epochs")
+    args.global_batch = global_batch(args.global_batch, 64, world_size)
+    return args
 
 
 def train_demo(wrap: Callable[[nn.Module, argparse.Namespace], nn.Module], description: str,
@@ -35,15 +53,10 @@ def train_demo(wrap: Callable[[nn.Module, argparse.Namespace], nn.Module], descr
 
     The wrapper must offer ``finish_gradient_synchronization()`` (called after each backward).
     """
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--global-batch", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--bucket-mb", type=float, default=0.01, help="bucket size (bucketed wrapper only)")
-    args = parser.parse_args(argv)
+    args = build_parser(description).parse_args(argv)
     env = init_from_env()
     try:
-        per_rank_batch(args.global_batch, env.world_size)  # a clear error if it does not divide
+        args = resolve_args(args, env.world_size)
         train, test = digits("train", 16), digits("test", 16)
         torch.manual_seed(env.rank)  # deliberately different: the wrapper's broadcast makes replicas equal
         model = wrap(TinyCNN(num_classes=10).to(env.device), args)
@@ -66,6 +79,7 @@ def train_demo(wrap: Callable[[nn.Module, argparse.Namespace], nn.Module], descr
                 optimizer.step()
                 scheduler.step()
                 steps += 1
+        sync_device(env.device)  # CUDA work is queued: time it when it is done
         elapsed = time.perf_counter() - start
         model.eval()
         with torch.no_grad():

@@ -20,6 +20,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from demos.sizes import grid_2d, positive
 from distlab.comm import CommLedger
 from distlab.data import synthetic_tokens
 from distlab.launch import init_from_env, shutdown
@@ -29,19 +30,33 @@ from distlab.models import GPTConfig, TinyGPT
 from distlab.todo import run_demo
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="TinyGPT on a DeviceMesh: DTensor tensor parallel x FSDP2.")
-    parser.add_argument("--tp-size", type=int, default=2)
+    parser.add_argument("--tp-size", type=int, default=None,
+                        help="default: 2 where it divides the world size, else 1")
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--global-batch", type=int, default=8)
-    args = parser.parse_args(argv)
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="default: 8, rounded up to a multiple of the data-parallel size")
+    return parser
+
+
+def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """A tp size that divides the ranks and TinyGPT's heads, vocabulary and 16 tokens; a batch the replicas share."""
+    positive(args, "--steps")
+    grid_2d(args, world_size, {"TinyGPT's n_head": 4, "vocabulary": 64, "sequence length": 16}, 8)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     # TinyGPT returns (logits, loss): FSDP2 warns about in-place ops on views, which it never sees.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     env = init_from_env()
     try:
+        args = resolve_args(args, env.world_size)
         lesson = load("phase5_large_models", "mesh_parallel")
-        mesh = lesson.build_mesh(env.world_size, min(args.tp_size, env.world_size))
+        mesh = lesson.build_mesh(env.world_size, args.tp_size, env.device.type)
         dp_size, tp_size = mesh.shape
         cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=64)
         torch.manual_seed(0)  # every rank builds the same full model; the mesh keeps its shard
@@ -60,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
             opt.zero_grad(set_to_none=True)
             last = step == args.steps - 1
             with (dtensor_comm if last else torch.enable_grad()), (ledger if last else torch.enable_grad()):
-                loss = model(x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per])[1]
+                loss = model(x[dp_rank * per:(dp_rank + 1) * per].to(env.device),
+                             y[dp_rank * per:(dp_rank + 1) * per].to(env.device))[1]
                 loss.backward()
                 opt.step()
             ref_opt.zero_grad(set_to_none=True)

@@ -33,11 +33,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from demos.sizes import multiple_of, positive
 from distlab.comm import CommLedger
 from distlab.launch import init_from_env, shutdown
 from distlab.loader import load
 from distlab.metrics import format_bytes, format_table, log0
-from distlab.sync import check_divisible
 from distlab.todo import run_demo
 
 CAPACITY_SWEEP = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0]
@@ -86,41 +86,56 @@ def train_step(model, optimizer, tokens, targets, num_tokens, group) -> float:
     return total.item()
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Expert parallelism: E/W experts per rank vs one process.")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=64, help="tokens per step, all ranks together")
     parser.add_argument("--vocab", type=int, default=32)
     parser.add_argument("--d-model", type=int, default=16)
     parser.add_argument("--d-hidden", type=int, default=32)
-    parser.add_argument("--experts", type=int, default=4, help="number of experts E (a multiple of the ranks)")
+    parser.add_argument("--experts", type=int, default=None,
+                        help="number of experts E, a multiple of the ranks (default: 4, rounded up to one)")
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--capacity-factor", type=float, default=1.25)
     parser.add_argument("--aux-coef", type=float, default=0.01)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     parser.add_argument("--out-dir", default="runs/expert_parallel")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Experts that divide over ``world_size`` ranks, at least --top-k of them."""
+    positive(args, "--steps", "--batch", "--top-k")
+    args.experts = multiple_of(args.experts, max(4, args.top_k), world_size, "--experts", "the number of ranks")
+    if args.top_k > args.experts:
+        raise ValueError(f"--top-k {args.top_k} is more than the {args.experts} experts (--experts): "
+                         f"use --top-k {args.experts} or fewer")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     env = init_from_env()
     try:
+        args = resolve_args(args, env.world_size)
         moe = load("phase5_large_models", "moe")
         W, rank, dtype = env.world_size, env.rank, getattr(torch, args.dtype)
-        check_divisible(args.experts, W, "--experts", "the number of ranks")
         single_group, _ = dist.new_subgroups(group_size=1)  # every rank: a group of itself
         perm = torch.randperm(args.vocab, generator=torch.Generator().manual_seed(7))
-        model = build(args, moe, None, dtype)
-        single = build(args, moe, single_group, dtype) if rank == 0 else None
+        model = build(args, moe, None, dtype).to(env.device)
+        single = build(args, moe, single_group, dtype).to(env.device) if rank == 0 else None
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
         single_opt = torch.optim.Adam(single.parameters(), lr=args.lr) if single else None
         layer, ledger = model.moe, CommLedger()
         curves = {f"expert parallel (W={W})": [], "single process": []}
-        routed = torch.zeros(args.experts, dtype=torch.int64)
-        kept = torch.zeros(args.experts // W, dtype=torch.int64)
+        routed = torch.zeros(args.experts, dtype=torch.int64, device=env.device)
+        kept = torch.zeros(args.experts // W, dtype=torch.int64, device=env.device)
         predicted = []
         log0(f"expert parallel: {args.experts} experts, {args.experts // W} per rank on {W} ranks ({env.backend}), "
              f"top-{args.top_k}, capacity factor {args.capacity_factor}, {args.batch} tokens/step, {args.dtype}")
         for step in range(args.steps):
-            tokens, targets = batch(step, args, perm)
+            tokens, targets = (t.to(env.device) for t in batch(step, args, perm))
             mine = torch.tensor_split(torch.arange(args.batch), W)[rank]
             ledger.reset()
             with ledger:
@@ -135,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
             if single:
                 curves["single process"].append(train_step(single, single_opt, tokens, targets, args.batch, single_group))
         a2a = ledger.bytes("all_to_all_single") + ledger.bytes("all_gather_single")
-        per_rank = torch.tensor([a2a, predicted[-1]], dtype=torch.int64)
+        per_rank = torch.tensor([a2a, predicted[-1]], dtype=torch.int64, device=env.device)
         every = [torch.zeros_like(per_rank) for _ in range(W)]
         dist.all_gather(every, per_rank)
         kept_all = [torch.zeros_like(kept) for _ in range(W)]
@@ -144,13 +159,13 @@ def main(argv: list[str] | None = None) -> None:
 
         # Dropped fraction against the capacity factor, on one fresh batch (no training).
         sweep = []
-        tokens, _ = batch(10_000, args, perm)
+        tokens = batch(10_000, args, perm)[0].to(env.device)
         mine = torch.tensor_split(torch.arange(args.batch), W)[rank]
         with torch.no_grad():
             for cf in CAPACITY_SWEEP:
                 layer.capacity_factor = cf
                 model(tokens[mine])
-                dropped = torch.tensor(layer.stats.dropped)
+                dropped = torch.tensor(layer.stats.dropped, device=env.device)
                 dist.all_reduce(dropped)
                 sweep.append((cf, dropped.item() / (args.top_k * args.batch)))
         layer.capacity_factor = args.capacity_factor

@@ -3,8 +3,9 @@
 The pieces, each taught in its own module, wired into one training loop:
 
 * ``checkpoint.py``: every ``ckpt_every`` steps each rank saves its state atomically
-  (model, optimizer shard, scheduler, sampler position, step, RNG), the newest good
-  checkpoint is found on start, a corrupted one is skipped;
+  (model, optimizer shard, scheduler, sampler position, step, RNG); on start the newest
+  checkpoint that verifies *and* loads is taken, and a corrupted, refused or mismatched one
+  is skipped with a warning; a checkpoint past ``--steps`` is an error, not a silent result;
 * ``elastic.py``: the sampler's position is global, the optimizer state is resharded,
   so the restarted job may even have a different world size; a heartbeat before each
   save names a hung rank in seconds instead of waiting 30 minutes.
@@ -41,6 +42,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from demos.sizes import global_batch, positive
 from distlab.data import synthetic_classification
 from distlab.loader import load
 from distlab.sync import allreduce_gradients
@@ -73,6 +75,7 @@ class RunConfig:
     seed: int = 0
     heartbeat_timeout_s: float = 30.0
     out: str = ""          # rank 0 writes the final parameters here (torch.save) if set
+    device: str = "cpu"    # model, batches and checkpoints loaded onto it (init_from_env's env.device)
 
     def __post_init__(self) -> None:
         if self.ckpt_every < 1:
@@ -81,7 +84,8 @@ class RunConfig:
 
 def make_model(cfg: RunConfig) -> nn.Module:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every attempt
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(cfg.dropout), nn.Linear(32, 4)).double()
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(cfg.dropout), nn.Linear(32, 4))
+    return model.double().to(cfg.device)
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig):
@@ -92,40 +96,63 @@ def _attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def train(rank: int, world_size: int, cfg: RunConfig) -> dict[str, torch.Tensor]:
-    """Train ``cfg.steps`` steps, resuming from the newest checkpoint in ``cfg.ckpt_dir`` if there is one.
-
-    Returns the final parameters (every rank holds the same). A launch-agnostic
-    worker: run it under torchrun (``main``) or ``run_distributed``.
-
-    Collective: every rank must call it.
-    """
-    ckpt, elastic = load(PHASE, "checkpoint"), load(PHASE, "elastic")
-    data = synthetic_classification(n=cfg.samples, in_features=16, num_classes=4, seed=cfg.seed)
-    inputs, labels = data.tensors[0].double(), data.tensors[1]
+def _fresh(rank: int, world_size: int, cfg: RunConfig, elastic) -> tuple:
+    """Model, optimizer, scheduler and sampler as at step 0, and the per-rank random streams."""
     model = make_model(cfg)
     optimizer = elastic.FlatShardedAdam(model.parameters(), lr=cfg.lr)
     scheduler = make_scheduler(optimizer, cfg)
     sampler = elastic.GlobalBatchSampler(cfg.samples, cfg.global_batch, rank, world_size, seed=cfg.seed)
+    torch.manual_seed(cfg.seed + 1000 + rank)  # per-rank streams for dropout and noise
+    return model, optimizer, scheduler, sampler
+
+
+def _resumed(found, rank: int, world_size: int, cfg: RunConfig, ckpt, elastic) -> tuple:
+    """Fresh state with checkpoint ``found`` loaded into it; raises (and leaves nothing half-loaded
+    behind: it builds its own objects) if the checkpoint does not fit."""
+    model, optimizer, scheduler, sampler = _fresh(rank, world_size, cfg, elastic)
+    common = found.load(0, map_location=cfg.device)  # replicated state: rank 0's copy
+    model.load_state_dict(common["model"])  # another model's checkpoint: RuntimeError (size mismatch)
+    scheduler.load_state_dict(common["scheduler"])
+    sampler.load_state_dict(common["sampler"])
+    optimizer.load_shards([found.load(r, map_location=cfg.device)["optimizer"] for r in range(found.world_size)])
+    # The RNG streams are per rank; at a new world size rank r continues saved rank r mod W_old's.
+    # Last: nothing after it can fail, so a rejected checkpoint never leaves its RNG state behind.
+    ckpt.restore_rng_state(found.load(rank % found.world_size, map_location="cpu")["rng"])  # RNG states: CPU tensors
+    return model, optimizer, scheduler, sampler
+
+
+def train(rank: int, world_size: int, cfg: RunConfig) -> dict[str, torch.Tensor]:
+    """Train ``cfg.steps`` steps, resuming from the newest checkpoint in ``cfg.ckpt_dir`` that loads.
+
+    Returns the final parameters (every rank holds the same). A launch-agnostic
+    worker: run it under torchrun (``main``) or ``run_distributed``.
+
+    Raises:
+        ValueError: the checkpoint it would resume from is past ``cfg.steps`` (a stale resume).
+    Collective: every rank must call it.
+    """
+    ckpt, elastic = load(PHASE, "checkpoint"), load(PHASE, "elastic")
+    data = synthetic_classification(n=cfg.samples, in_features=16, num_classes=4, seed=cfg.seed)
+    inputs, labels = data.tensors[0].double().to(cfg.device), data.tensors[1].to(cfg.device)
     # Heartbeats need gloo (monitored_barrier); an NCCL job gets a gloo side group for them.
     hb_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
     manager = ckpt.CheckpointManager(cfg.ckpt_dir, keep=cfg.keep)
-    torch.manual_seed(cfg.seed + 1000 + rank)  # per-rank streams for dropout and noise
 
-    start = 0
-    found = manager.latest()
-    if found is not None:
-        common = found.load(0)  # replicated state: rank 0's copy
-        model.load_state_dict(common["model"])
-        scheduler.load_state_dict(common["scheduler"])
-        sampler.load_state_dict(common["sampler"])
-        optimizer.load_shards([found.load(r)["optimizer"] for r in range(found.world_size)])
-        # The RNG streams are per rank; at a new world size rank r continues saved rank r mod W_old's.
-        ckpt.restore_rng_state(found.load(rank % found.world_size)["rng"])
-        start = found.step
-        if rank == 0:
-            print(f"[attempt {_attempt()}] resumed from {found.path} (step {start}, saved by "
-                  f"{found.world_size} ranks, now {world_size})", flush=True)
+    # A checkpoint that does not load (refused content, another model's shapes, ...) is skipped
+    # with a warning, and the next older one is tried: every rank agrees on the one taken.
+    resumed = []
+    found = manager.restore(lambda c: resumed.append(_resumed(c, rank, world_size, cfg, ckpt, elastic)),
+                            group=hb_group)
+    model, optimizer, scheduler, sampler = resumed[-1] if found is not None else _fresh(rank, world_size, cfg,
+                                                                                        elastic)
+    start = found.step if found is not None else 0
+    if start > cfg.steps:
+        raise ValueError(f"{found.path} is at step {start}, past --steps {cfg.steps}: pass --steps {start} or "
+                         f"more to continue that run, or --fresh (or another --ckpt-dir) to start over")
+    if rank == 0:
+        print(f"[attempt {_attempt()}] resumed from {found.path} (step {start}, saved by {found.world_size} "
+              f"ranks, now {world_size})" if found is not None else
+              f"[attempt {_attempt()}] no loadable checkpoint in {cfg.ckpt_dir}: starting from step 0", flush=True)
 
     attempt = _attempt()
     crash_step = cfg.crash_at_steps[attempt] if attempt < len(cfg.crash_at_steps) else -1
@@ -165,14 +192,13 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> dict[str, torch.Tensor]
 
 
 # --------------------------------------------------------------------------- demo
-def main(argv: list[str] | None = None) -> None:
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_table, log0
-
+def build_parser() -> argparse.ArgumentParser:
     defaults = RunConfig()
     parser = argparse.ArgumentParser(description="Fault-tolerant training: checkpoints, crash, restart, resume.")
     parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--global-batch", type=int, default=defaults.global_batch)
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help=f"default: {defaults.global_batch}, rounded up to a multiple of the world size "
+                             "(an elastic job should give one that every world size of its range divides)")
     parser.add_argument("--ckpt-dir", default=defaults.ckpt_dir)
     parser.add_argument("--ckpt-every", type=int, default=defaults.ckpt_every)
     parser.add_argument("--keep", type=int, default=defaults.keep)
@@ -186,12 +212,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heartbeat-timeout", type=float, default=defaults.heartbeat_timeout_s)
     parser.add_argument("--out", default="", help="write the final parameters here (rank 0)")
     parser.add_argument("--fresh", action="store_true", help="delete --ckpt-dir first (attempt 0 only)")
-    args = parser.parse_args(argv)
-    cfg = RunConfig(steps=args.steps, global_batch=args.global_batch, ckpt_dir=args.ckpt_dir,
-                    ckpt_every=args.ckpt_every, keep=args.keep, crash_at_steps=tuple(args.crash_at_step),
-                    crash_ranks=tuple(args.crash_rank), crash_node=args.crash_node, heartbeat_timeout_s=args.heartbeat_timeout, out=args.out)
+    return parser
+
+
+def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """A global batch the ranks share equally (see demos/sizes.py)."""
+    positive(args, "--steps")
+    args.global_batch = global_batch(args.global_batch, RunConfig.global_batch, world_size)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    from distlab.launch import init_from_env, shutdown
+    from distlab.metrics import format_table, log0
+
+    args = build_parser().parse_args(argv)
     env = init_from_env()
     try:
+        args = resolve_args(args, env.world_size)
+        cfg = RunConfig(steps=args.steps, global_batch=args.global_batch, ckpt_dir=args.ckpt_dir,
+                        ckpt_every=args.ckpt_every, keep=args.keep, crash_at_steps=tuple(args.crash_at_step),
+                        crash_ranks=tuple(args.crash_rank), crash_node=args.crash_node,
+                        heartbeat_timeout_s=args.heartbeat_timeout, out=args.out, device=str(env.device))
         if args.fresh and _attempt() == 0:
             if env.rank == 0:
                 shutil.rmtree(cfg.ckpt_dir, ignore_errors=True)
@@ -205,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
         model.eval()
         data = synthetic_classification(n=cfg.samples, in_features=16, num_classes=4, seed=cfg.seed)
         with torch.no_grad():
-            loss = F.cross_entropy(model(data.tensors[0].double()), data.tensors[1]).item()
+            x, y = data.tensors[0].double().to(env.device), data.tensors[1].to(env.device)
+            loss = F.cross_entropy(model(x), y).item()
         ckpts = sorted(p.name for p in Path(cfg.ckpt_dir).glob("step_*"))
         log0("\n" + format_table([{"attempt": _attempt(), "ranks": env.world_size, "steps": cfg.steps,
                                    "final |params|": f"{norm:.6f}", "train loss": f"{loss:.4f}", "checkpoints kept": " ".join(ckpts)}]))

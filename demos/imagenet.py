@@ -29,6 +29,7 @@ See phase4_production/guidelines.md#capstone and solutions/phase4_production/REA
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from demos.sizes import global_batch, positive
 from distlab.loader import load
 from distlab.sync import broadcast_module
 from distlab.todo import run_demo
@@ -58,7 +60,7 @@ class Config:
     zero_stage: int = 1
     epochs: int = 3
     max_steps: int = 0
-    global_batch: int = 64
+    global_batch: int | None = None  # None: 64, rounded up to a multiple of the world size (resolve_config)
     lr: float = 0.05
     weight_decay: float = 5e-4
     warmup_steps: int = 10
@@ -73,6 +75,8 @@ class Config:
     keep: int = 3
     seed: int = 0
     log_every: int = 20
+    offload_optimizer: str = "none"  # "cpu": ZeRO-Offload, --strategy zero --zero-stage 1 or 2
+    deepspeed_config: str = ""  # a DeepSpeed-style JSON: see apply_deepspeed_config
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -84,9 +88,32 @@ class Config:
         if self.amp == "fp16" and self.strategy not in ("ddp", "fsdp"):
             raise ValueError(f"--amp fp16 needs a loss scaler on torch's optimizer: use --strategy ddp or fsdp, "
                              f"or --amp bf16 with {self.strategy}")
+        if self.offload_optimizer != "none" and (self.strategy != "zero" or self.zero_stage == 3):
+            raise ValueError(f"--offload-optimizer {self.offload_optimizer}: ZeRO-Offload needs --strategy zero "
+                             f"--zero-stage 1 or 2, not {self.strategy} stage {self.zero_stage}")
         if self.compression != "none" and self.strategy != "ddp":
             raise ValueError(f"--compression {self.compression} is a DDP communication hook: "
                              f"use it with --strategy ddp, not {self.strategy}")
+
+
+def apply_deepspeed_config(cfg: Config, world_size: int):
+    """``--deepspeed-config``: the file's stage, offload, bucket size, precision and batch replace those flags.
+
+    Stage 0 is ``--strategy ddp``, 1-3 ``--strategy zero``; its optimizer replaces SGD. The capstone
+    steps once per global batch: ``gradient_accumulation_steps`` must be 1 (demos/zero.py accumulates).
+    """
+    from distlab.zero_config import load_zero_config
+
+    ds = load_zero_config(cfg.deepspeed_config, world_size)
+    if ds.gradient_accumulation_steps != 1:
+        raise ValueError(f"{cfg.deepspeed_config}: gradient_accumulation_steps {ds.gradient_accumulation_steps}: the "
+                         "capstone takes one step per global batch; set it to 1 (demos/zero.py accumulates)")
+    changes = {"strategy": "zero" if ds.stage else "ddp", "zero_stage": ds.stage or cfg.zero_stage,
+               "global_batch": ds.train_batch_size, "offload_optimizer": ds.offload_device or "none",
+               "amp": {"bfloat16": "bf16", "float16": "fp16"}.get(ds.dtype, "none")}
+    if ds.bucket_size_mb is not None:
+        changes["bucket_mb"] = ds.bucket_size_mb
+    return dataclasses.replace(cfg, **changes), ds
 
 
 def build_model(name: str, num_classes: int, image_size: int) -> nn.Module:
@@ -136,9 +163,11 @@ def build_data(cfg: Config) -> tuple[Dataset, Dataset, int]:
 class Engine:
     """One strategy behind one interface: forward, backward, step, state."""
 
-    def __init__(self, cfg: Config, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, cfg: Config, model: nn.Module, device: torch.device, ds=None) -> None:
         self.cfg, self.kind = cfg, cfg.strategy
-        opt_kwargs = dict(lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+        opt_class, opt_kwargs = torch.optim.SGD, dict(lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+        if ds is not None and ds.optimizer_class is not None:  # --deepspeed-config's optimizer
+            opt_class, opt_kwargs = ds.optimizer_class, ds.optimizer_kwargs
         if cfg.sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         model = model.to(device)
@@ -150,46 +179,46 @@ class Engine:
             if cfg.compression != "none":
                 hook, state = load("phase4_production", "compression").make_hook(cfg.compression)
                 self.model.register_comm_hook(state, hook)
-            self.optimizer = torch.optim.SGD(self.model.parameters(), **opt_kwargs)
+            self.optimizer = opt_class(self.model.parameters(), **opt_kwargs)
         elif self.kind == "ours":
             DDPBucketed = load("phase3_multi_node", "ddp_bucketed").DDPBucketed
             self.model = DDPBucketed(model, bucket_size_mb=cfg.bucket_mb)
-            self.optimizer = torch.optim.SGD(self.model.parameters(), **opt_kwargs)
+            self.optimizer = opt_class(self.model.parameters(), **opt_kwargs)
         elif self.kind == "zero" and cfg.zero_stage < 3:
             ZeroOptimizer = load("phase3_multi_node", "zero").ZeroOptimizer
             self.model = model
             broadcast_module(model)  # buffers too: ZeroOptimizer broadcasts only the parameters it owns
-            self.zero = ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=cfg.zero_stage,
-                                      bucket_size_mb=cfg.bucket_mb, **opt_kwargs)
+            zkw = {"stage": cfg.zero_stage, "bucket_size_mb": cfg.bucket_mb, **(ds.zero_kwargs() if ds else {}),
+                   "offload_device": None if cfg.offload_optimizer == "none" else cfg.offload_optimizer}
+            self.zero = ZeroOptimizer(model.parameters(), opt_class, **zkw, **opt_kwargs)
             self.optimizer = self.zero  # a torch Optimizer: the LR scheduler drives it directly
         elif self.kind == "zero":
             FullyShardedDataParallel = load("phase3_multi_node", "fsdp").FullyShardedDataParallel
-            self.model = FullyShardedDataParallel(model, torch.optim.SGD, **opt_kwargs)  # units: blocks
-            self.optimizer = self.model.optimizer
+            self.model = FullyShardedDataParallel(model, **(ds.fsdp_kwargs() if ds else {}))  # units: blocks
+            self.optimizer = opt_class(self.model.parameters(), **opt_kwargs)  # torch's, on the flat shards
             self.fsdp_state = load("phase3_multi_node", "fsdp_state")
         else:
+            from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
+            mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # FSDP2 shards on its device
             for m in model.modules():  # one FSDP unit per residual stage / encoder block
                 if m is not model and type(m).__name__ in ("Sequential", "EncoderBlock") and \
                         any(p.requires_grad for p in m.parameters()):
-                    fully_shard(m)
-            self.model = fully_shard(model)
-            self.optimizer = torch.optim.SGD(self.model.parameters(), **opt_kwargs)
+                    fully_shard(m, mesh=mesh)
+            self.model = fully_shard(model, mesh=mesh)
+            self.optimizer = opt_class(self.model.parameters(), **opt_kwargs)
 
     def step(self) -> None:
         if self.kind == "ours":
             self.model.finish_gradient_synchronization()
         if self.kind == "zero" and self.cfg.zero_stage < 3:
             self.zero.step()
-        elif self.kind == "zero":
-            self.model.step()
         else:
             self.optimizer.step()
 
     def zero_grad(self) -> None:
-        target = self.zero if self.kind == "zero" and self.cfg.zero_stage < 3 else \
-            self.model if self.kind == "zero" else self.optimizer
+        target = self.zero if self.kind == "zero" and self.cfg.zero_stage < 3 else self.optimizer
         target.zero_grad()
 
     def state_dict(self) -> dict:
@@ -198,7 +227,7 @@ class Engine:
         if self.kind == "zero" and self.cfg.zero_stage < 3:
             return {"model": self.model.state_dict(), "zero": self.zero.sharded_state_dict()}
         if self.kind == "zero":
-            return {"fsdp": self.fsdp_state.sharded_state_dict(self.model)}
+            return {"fsdp": self.fsdp_state.sharded_state_dict(self.model, self.optimizer)}
         raise ValueError("--checkpoint-dir with --strategy fsdp: torch's FSDP2 saves through "
                          "torch.distributed.checkpoint; use ddp, ours or zero for this script's checkpoints")
 
@@ -210,7 +239,7 @@ class Engine:
             self.model.load_state_dict(state["model"])
             self.zero.load_sharded_state_dict(state["zero"])
         else:
-            self.fsdp_state.load_sharded_state_dict(self.model, state["fsdp"])
+            self.fsdp_state.load_sharded_state_dict(self.model, state["fsdp"], self.optimizer)
 
 
 def _batches(dataset: Dataset, sampler, steps: int, workers: int, pin_memory: bool):
@@ -267,16 +296,20 @@ def evaluate(model: nn.Module, dataset: Dataset, device: torch.device, rank: int
 
 def train(cfg: Config) -> dict:
     from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import StepTimer, format_table, log0, progress
+    from distlab.metrics import StepTimer, format_table, log0, progress, sync_device
     checkpoint, elastic = load("phase4_production", "checkpoint"), load("phase4_production", "elastic")
     CheckpointManager, GlobalBatchSampler = checkpoint.CheckpointManager, elastic.GlobalBatchSampler
     capture_rng_state, restore_rng_state = checkpoint.capture_rng_state, checkpoint.restore_rng_state
 
     env = init_from_env()
     try:
+        ds = None
+        if cfg.deepspeed_config:  # needs the world size: the batch arithmetic is checked against it
+            cfg, ds = apply_deepspeed_config(cfg, env.world_size)
+        cfg = resolve_config(cfg, env.world_size)
         torch.manual_seed(cfg.seed)
         train_set, val_set, num_classes = build_data(cfg)
-        engine = Engine(cfg, build_model(cfg.model, num_classes, cfg.image_size), env.device)
+        engine = Engine(cfg, build_model(cfg.model, num_classes, cfg.image_size), env.device, ds)
         sampler = GlobalBatchSampler(len(train_set), cfg.global_batch, env.rank, env.world_size, cfg.seed)
         total = cfg.max_steps or cfg.epochs * sampler.steps_per_epoch()
         scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lr_lambda(cfg, total))
@@ -332,6 +365,7 @@ def train(cfg: Config) -> dict:
             if step == cfg.stop_at_step:
                 log0(f"stopping at step {step} (--stop-at-step); run again to resume")
                 return {"stopped_at": step}
+        sync_device(env.device)  # CUDA work is queued: time it when it is done
         elapsed = time.perf_counter() - start
         if step % cfg.checkpoint_every:
             save(sampler_state)
@@ -348,6 +382,21 @@ def train(cfg: Config) -> dict:
         shutdown()
 
 
+def resolve_config(cfg: Config, world_size: int) -> Config:
+    """The global batch for ``world_size`` ranks: 64 rounded up to a multiple of it, or the one given if it divides.
+
+    The default changes with the world size: an elastic job (NNODES=MIN:MAX) should give
+    --global-batch, one that every world size of its range divides.
+    """
+    positive(cfg, "--epochs", "--image-size", "--checkpoint-every")
+    return dataclasses.replace(cfg, global_batch=global_batch(cfg.global_batch, 64, world_size))
+
+
+def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """``build_parser()``'s arguments as a run of ``world_size`` ranks trains with (``resolve_config``)."""
+    return argparse.Namespace(**dataclasses.asdict(resolve_config(Config(**vars(args)), world_size)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """One flag per Config field (``--global-batch`` for ``global_batch``)."""
     parser = argparse.ArgumentParser(description="Capstone: image classification with every strategy of the course.")
@@ -358,8 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, action="store_true")
         else:
             choices = {"strategy": STRATEGIES, "model": MODELS, "amp": ("none", "bf16", "fp16"),
+                       "offload_optimizer": ("none", "cpu"),
                        "dataset": ("digits", "cifar10", "imagefolder")}.get(field)
-            parser.add_argument(flag, type=type(value), default=value, choices=choices)
+            parser.add_argument(flag, type=int if field == "global_batch" else type(value), default=value,
+                                choices=choices)
     return parser
 
 

@@ -23,11 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from demos.sizes import global_batch, positive
 from distlab.comm import CommLedger
-from distlab.data import per_rank_batch, synthetic_tokens
+from distlab.data import synthetic_tokens
 from distlab.launch import init_from_env, shutdown
 from distlab.loader import load
-from distlab.metrics import format_bytes, format_table, log0, progress
+from distlab.metrics import format_bytes, format_table, log0, progress, sync_device
 from distlab.models import GPTConfig, TinyGPT
 from distlab.testing import shard
 from distlab.todo import run_demo
@@ -37,17 +38,29 @@ def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Mixed-precision data-parallel TinyGPT: fp32 vs bf16 vs fp16.")
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="default: 16, rounded up to a multiple of the world size")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--dtypes", default="float32,bfloat16,float16")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """A global batch the ranks share equally (see demos/sizes.py)."""
+    positive(args, "--steps")
+    args.global_batch = global_batch(args.global_batch, 16, world_size)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     mp = load("phase2_advanced", "mixed_precision")
     env = init_from_env()
     try:
-        per_rank_batch(args.global_batch, env.world_size)  # a clear error if it does not divide
+        args = resolve_args(args, env.world_size)
         cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64)
         data = synthetic_tokens(n_seq=args.steps * args.global_batch, seq_len=32, vocab_size=64, seed=0)
         rows, reference = [], None
@@ -70,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
                 with ledger:
                     loss, stepped = mp.train_step(model, optimizer, scaler, _lm_loss, x, y, dtype=dtype)
                 skipped += not stepped
+            sync_device(env.device)  # CUDA work is queued: time it when it is done
             elapsed = time.perf_counter() - start
             dist.all_reduce(loss)
             final = loss.item() / env.world_size

@@ -20,23 +20,35 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from demos.sizes import positive
 from distlab.comm import CommLedger
 from distlab.data import digits
 from distlab.launch import init_from_env, shutdown
 from distlab.loader import load
-from distlab.metrics import format_bytes, format_table, log0, progress
+from distlab.metrics import format_bytes, format_table, log0, progress, sync_device
 from distlab.todo import run_demo
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="An MLP split across ranks, one stage each, on digits.")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=128)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """One stage per rank, any number of them; the sizes must be positive."""
+    positive(args, "--epochs", "--batch", "--hidden")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     ms = load("phase2_advanced", "model_split")
     env = init_from_env()
     try:
+        args = resolve_args(args, env.world_size)
         p = env.world_size
         x_all, y_all = digits("train", flatten=True).tensors
         torch.manual_seed(0)  # every rank builds the whole model and keeps its stage
@@ -56,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
                 with ledger:
                     loss = ms.train_step(module, opt, nn.functional.cross_entropy, x_all[idx].to(env.device),
                                          y_all[idx].to(env.device), (args.batch, args.hidden), group=None)
+        sync_device(env.device)  # CUDA work is queued: time it when it is done
         elapsed = time.perf_counter() - start
         last = [loss]
         dist.broadcast_object_list(last, src=p - 1)  # the loss lives on the last stage

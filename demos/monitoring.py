@@ -21,19 +21,14 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from demos.sizes import at_least, positive
 from distlab.loader import load
 from distlab.todo import run_demo
 
 PHASE = "phase4_production"
 
 
-def main(argv: list[str] | None = None) -> None:
-    from distlab.data import digits
-    from distlab.launch import init_from_env, shutdown
-    from distlab.metrics import format_table, log0, progress
-    from distlab.plots import plot_timeline
-    from distlab.sync import allreduce_gradients
-
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Per-rank step timing, straggler detection and profiling.")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--interval", type=int, default=20)
@@ -46,10 +41,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--straggler-factor", type=float, default=1.3)
     parser.add_argument("--out-dir", default="runs/monitoring")
     parser.add_argument("--profile", action="store_true", help="write torch.profiler traces per rank")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Each rank takes --global-batch // world_size samples; --slow-rank may name no rank (then none is slow)."""
+    positive(args, "--steps", "--interval", "--slow-factor")
+    at_least(args.global_batch, world_size, "--global-batch", f" (every one of the {world_size} ranks needs a sample)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    from distlab.data import digits
+    from distlab.launch import init_from_env, shutdown
+    from distlab.metrics import format_table, log0, progress
+    from distlab.plots import plot_timeline
+    from distlab.sync import allreduce_gradients
+
+    args = build_parser().parse_args(argv)
     mon = load(PHASE, "monitoring")
     env = init_from_env()
     try:
+        args = resolve_args(args, env.world_size)
         train = digits("train", flatten=True)
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
@@ -60,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         per_rank = args.global_batch // env.world_size
         # The slow rank really computes more (repeats its forward/backward): a delay the timers measure.
         repeats = args.slow_factor if env.rank == args.slow_rank else 1
-        plan = mon.gather_to_rank0([float(repeats)])  # one small gather: rank 0 learns who is slowed
+        plan = mon.gather_to_rank0([float(repeats)], device=env.device)  # one small gather: rank 0 learns who is slowed
         if plan is not None:
             log0("compute repeats per rank: " + ", ".join(f"rank {r}: {int(v[0])}x" for r, v in enumerate(plan)))
         x_all, y_all = train.tensors

@@ -1,6 +1,7 @@
 """Pipeline parallelism: an MLP on digits cut into one stage per rank, GPipe, 1F1B or interleaved 1F1B.
 
-Each rank keeps its stage (or, interleaved, its v chunks) of one seeded MLP and trains
+Each rank keeps its stage (or, interleaved, its v chunks) of one seeded MLP (the same
+model, p x --layers-per-stage hidden blocks, for every schedule: their losses compare) and trains
 with the schedule of ``phase2_advanced/pipeline.py`` (exercises 2.12-2.14). The summary
 shows the final loss, the measured bubble (median over the steps) beside the theory
 (p-1)/(v*m+p-1), the peak number of micro-batches in flight on every stage and the
@@ -25,43 +26,83 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from demos.sizes import at_least, multiple_of, positive
 from distlab.comm import CommLedger
 from distlab.data import digits
 from distlab.launch import init_from_env, shutdown
 from distlab.loader import load
 from distlab.metrics import format_bytes, format_table, log0, median, progress
-from distlab.plots import plot_timeline
 from distlab.todo import run_demo
+
+
+def build_parser() -> argparse.ArgumentParser:
+    schedules = sorted(load("phase2_advanced", "pipeline").SCHEDULES)
+    default = os.environ.get("RUN_MODE", "pipeline_1f1b").removeprefix("pipeline_")
+    parser = argparse.ArgumentParser(description="Pipeline-parallel MLP on digits: GPipe, 1F1B or interleaved.")
+    parser.add_argument("--schedule", choices=schedules, default=default if default in schedules else "1f1b")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="default: 8 (at least one per stage; interleaved: a multiple of the stages)")
+    parser.add_argument("--batch", type=int, default=None, help="default: 16 per micro-batch")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers-per-stage", type=int, default=None,
+                        help="hidden blocks per rank, whatever the schedule (default: 2, or --chunks)")
+    parser.add_argument("--chunks", type=int, default=2, help="model chunks per rank (interleaved only)")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps per epoch (default: all of the training split, 1437 // --batch)")
+    parser.add_argument("--out-dir", default="runs")
+    return parser
+
+
+def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """World-size defaults (see demos/sizes.py): micro-batches, batch and layers that fit ``world_size`` stages."""
+    p, interleaved = world_size, args.schedule == "interleaved"
+    positive(args, "--chunks", "--hidden", "--epochs")
+    if args.steps is not None:
+        positive(args, "--steps")
+    v = args.chunks if interleaved else 1
+    if args.layers_per_stage is not None:  # interleaved: every chunk of a rank gets the same number of blocks
+        at_least(args.layers_per_stage, v, "--layers-per-stage", f" (hidden blocks per stage, {v} chunk(s))")
+    args.layers_per_stage = multiple_of(args.layers_per_stage, 2, v, "--layers-per-stage", "--chunks")
+    if args.microbatches is not None:
+        at_least(args.microbatches, p, "--microbatches", f" with {p} stages, or the pipeline never fills")
+    args.microbatches = multiple_of(args.microbatches, max(8, p), p if interleaved else 1, "--microbatches",
+                                    "the number of stages")
+    args.batch = multiple_of(args.batch, 16 * args.microbatches, args.microbatches, "--batch", "--microbatches")
+    return args
+
+
+def build_chunks(pp, schedule: str, rank: int, num_stages: int, chunks: int, in_features: int, hidden: int,
+                 num_classes: int, layers_per_stage: int) -> list[nn.Module]:
+    """This rank's pieces of one seeded MLP of ``num_stages * layers_per_stage`` hidden blocks.
+
+    The same model for every schedule, so their losses compare: GPipe and 1F1B cut it into
+    one stage per rank; interleaved cuts it into ``num_stages * chunks`` virtual stages of
+    ``layers_per_stage / chunks`` blocks, and chunk c of this rank is virtual stage c*p + rank.
+    """
+    v = chunks if schedule == "interleaved" else 1
+    return [pp.build_stage_module(c * num_stages + rank, num_stages * v, in_features, hidden, num_classes,
+                                  layers_per_stage // v) for c in range(v)]
 
 
 def main(argv: list[str] | None = None) -> None:
     pp = load("phase2_advanced", "pipeline")
-    schedules = sorted(pp.SCHEDULES)
-    default = os.environ.get("RUN_MODE", "pipeline_1f1b").removeprefix("pipeline_")
-    parser = argparse.ArgumentParser(description="Pipeline-parallel MLP on digits: GPipe, 1F1B or interleaved.")
-    parser.add_argument("--schedule", choices=schedules, default=default if default in schedules else "1f1b")
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers-per-stage", type=int, default=2)
-    parser.add_argument("--chunks", type=int, default=2, help="model chunks per rank (interleaved only)")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--out-dir", default="runs")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     env = init_from_env()
     try:
+        args = resolve_args(args, env.world_size)
         p, m = env.world_size, args.microbatches
-        if m < p:
-            raise ValueError(f"--microbatches {m} < {p} stages: the pipeline would never fill")
         x_all, y_all = digits("train", flatten=True).tensors
         v = args.chunks if args.schedule == "interleaved" else 1
-        # Chunk c of this rank is virtual stage c*p + rank of a model cut into p*v pieces.
-        chunks = [pp.build_stage_module(c * p + env.rank, p * v, x_all.shape[1], args.hidden, 10,
-                                        args.layers_per_stage).to(env.device) for c in range(v)]
+        chunks = [c.to(env.device) for c in build_chunks(pp, args.schedule, env.rank, p, args.chunks, x_all.shape[1],
+                                                         args.hidden, 10, args.layers_per_stage)]
         stage = pp.PipelineStage(chunks if v > 1 else chunks[0], (args.batch // m, args.hidden), device=env.device)
         opt = torch.optim.SGD([q for c in chunks for q in c.parameters()], lr=0.05, momentum=0.9)
         loss_fn = nn.CrossEntropyLoss()
-        steps = x_all.shape[0] // args.batch
+        if args.batch > x_all.shape[0]:
+            raise ValueError(f"--batch {args.batch} is larger than the {x_all.shape[0]} training images: "
+                             f"use --batch {x_all.shape[0] // m * m}")
+        steps = min(x_all.shape[0] // args.batch, args.steps or x_all.shape[0])
         log0(f"pipeline ({args.schedule}): {p} stages, {m} micro-batches of {args.batch // m}, "
              f"{steps} steps/epoch")
         ledger, loss, bubbles = CommLedger(), None, []
@@ -84,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
         last_loss = [loss]
         dist.broadcast_object_list(last_loss, src=p - 1)  # the loss lives on the last stage
         if env.is_main:
+            from distlab.plots import plot_timeline  # matplotlib: rank 0 only, when it draws
+
             path = plot_timeline(all_events, os.path.join(args.out_dir, f"pipeline_{args.schedule}_timeline.png"),
                                  title=f"{args.schedule}: {p} stages x {v} chunks, {m} micro-batches (last step)")
             print("\n" + format_table([{

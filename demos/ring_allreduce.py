@@ -18,20 +18,34 @@ import argparse
 import torch
 import torch.distributed as dist
 
+from demos.sizes import positive
 from distlab.launch import init_from_env, shutdown
 from distlab.loader import load
-from distlab.metrics import format_bytes, format_table, log0, median, time_repeats
+from distlab.metrics import format_bytes, format_table, log0, median, sync_device, time_repeats
 from distlab.todo import run_demo
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[0.25, 4, 16])
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Nothing here depends on the world size; the sizes must be positive."""
+    positive(args, "--repeats")
+    if min(args.sizes_mb) <= 0:
+        raise ValueError(f"--sizes-mb {min(args.sizes_mb)} must be positive: use --sizes-mb 0.25 4 16")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     ring = load("phase3_multi_node", "ring_allreduce")
     env = init_from_env()
     try:
+        args = resolve_args(args, env.world_size)
         torch.set_num_threads(1)  # one core per rank for the adds; gloo's I/O threads need the rest
         W = env.world_size
         contenders = {"ring": ring.ring_allreduce, "ring pipelined": ring.ring_allreduce_pipelined,
@@ -49,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
             x = torch.randn(int(mb * (1 << 20)) // 4).to(env.device)
             row = {"size": format_bytes(x.nbytes)}
             for name, fn in contenders.items():
-                t = median(time_repeats(lambda: fn(x), args.repeats, sync=dist.barrier))
+                t = median(time_repeats(lambda: fn(x), args.repeats,
+                                        sync=lambda: (sync_device(env.device), dist.barrier())))
                 row[f"{name} ms"] = f"{t * 1e3:.2f}"
                 row[f"{name} busbw GB/s"] = f"{x.nbytes / t * 2 * (W - 1) / W / 1e9:.2f}"
             rows.append(row)

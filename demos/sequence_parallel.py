@@ -20,12 +20,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from demos.sizes import multiple_of, positive, transformer_dims
 from distlab.comm import CommLedger
 from distlab.launch import init_from_env, shutdown
 from distlab.loader import load
 from distlab.metrics import format_bytes, format_table, log0
 from distlab.models import Block, GPTConfig
-from distlab.sync import check_divisible
 from distlab.todo import run_demo
 
 
@@ -40,21 +40,33 @@ def forward_counting_saved(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor
         return fn(), saved[0]
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="A sequence-parallel transformer block against the full block.")
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=None, help="default: 64, rounded up to a multiple of the ranks")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--n-embd", type=int, default=64)
-    parser.add_argument("--n-head", type=int, default=4)
-    args = parser.parse_args(argv)
+    parser.add_argument("--n-embd", type=int, default=None, help="default: 16 per head")
+    parser.add_argument("--n-head", type=int, default=None, help="default: 4, rounded up to a multiple of the ranks")
+    return parser
+
+
+def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Tokens and heads that split over ``world_size`` ranks (see demos/sizes.py)."""
+    positive(args, "--batch")
+    args.seq_len = multiple_of(args.seq_len, 64, world_size, "--seq-len", "the tensor-parallel size")
+    transformer_dims(args, world_size)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     env = init_from_env()
     try:
+        args = resolve_args(args, env.world_size)
         sp_lesson = load("phase2_advanced", "sequence_parallel")
         W, rank = env.world_size, env.rank
-        check_divisible(args.seq_len, W, "sequence length", "tensor-parallel size")
         torch.manual_seed(0)  # every rank: the same full block and the same whole input
-        block = Block(GPTConfig(block_size=args.seq_len, n_head=args.n_head, n_embd=args.n_embd))
-        x = torch.randn(args.batch, args.seq_len, args.n_embd)
+        block = Block(GPTConfig(block_size=args.seq_len, n_head=args.n_head, n_embd=args.n_embd)).to(env.device)
+        x = torch.randn(args.batch, args.seq_len, args.n_embd).to(env.device)
         sp = sp_lesson.SequenceParallelBlock(block)
 
         full, full_saved = forward_counting_saved(lambda: block(x))

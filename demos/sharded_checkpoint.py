@@ -21,9 +21,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from demos.sizes import at_least
 from distlab.launch import init_from_env, shutdown
 from distlab.loader import load
 from distlab.metrics import format_bytes, format_table, log0
@@ -31,11 +33,11 @@ from distlab.models import ToyMLP
 from distlab.todo import run_demo
 
 
-def _model(seed: int):
+def _model(seed: int, mesh):
     torch.manual_seed(seed)
     model = ToyMLP(16, 30, 5)
     for unit in [*model.children(), model]:
-        fully_shard(unit)
+        fully_shard(unit, mesh=mesh)  # FSDP2 puts the shards on the mesh's device
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -43,15 +45,29 @@ def _full(state: dict, lesson) -> dict:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in lesson.flatten(state).items()}
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Sharded checkpoints with resharding.")
     parser.add_argument("--dir", default="runs/sharded_ckpt")
     parser.add_argument("--steps", type=int, default=5)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Steps of 8 samples split over the ranks; the save happens 3 steps before the end."""
+    at_least(args.steps, 3, "--steps", " (the checkpoint is saved at step --steps - 3)")
+    if world_size > 8:
+        raise ValueError(f"{world_size} ranks: the demo splits steps of 8 samples over the ranks, "
+                         "so it runs on 8 ranks at most; use NPROC x NNODES <= 8")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     env = init_from_env()
     try:
+        args = resolve_args(args, env.world_size)
         lesson, root = load("phase5_large_models", "sharded_checkpoint"), Path(args.dir)
-        model, opt = _model(seed=env.rank + 1)
+        model, opt = _model(seed=env.rank + 1, mesh=init_device_mesh(env.device.type, (env.world_size,)))
         ours = root / "ours"
         if (ours / lesson.METADATA).exists():
             model_sd, optim_sd = get_state_dict(model, opt)
@@ -66,14 +82,14 @@ def main(argv: list[str] | None = None) -> None:
                 set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
                 seconds = time.perf_counter() - start
                 got, ref = _full(dict(zip(("model", "optim"), get_state_dict(model, opt))), lesson), \
-                    torch.load(root / "reference.pt", weights_only=True)
+                    torch.load(root / "reference.pt", weights_only=True, map_location=env.device)
                 exact = all(torch.equal(got[k], v) for k, v in ref.items() if torch.is_tensor(v))
                 rows.append({"format": fmt, "saved at W": state["world_size"],
                              "loaded at W": env.world_size, "bit-exact": exact, "loader": state["loader"],
                              "load s": f"{seconds:.3f}"})
             log0("\n" + format_table(rows))
             return
-        x, y = torch.randn(8 * args.steps, 16), torch.randint(5, (8 * args.steps,))
+        x, y = torch.randn(8 * args.steps, 16).to(env.device), torch.randint(5, (8 * args.steps,)).to(env.device)
         for step in range(args.steps):
             xb, yb = x[8 * step:8 * step + 8].chunk(env.world_size)[env.rank], y[8 * step:8 * step + 8].chunk(env.world_size)[env.rank]
             opt.zero_grad(set_to_none=True)

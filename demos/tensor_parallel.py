@@ -22,33 +22,47 @@ import time
 
 import torch
 
+from demos.sizes import positive, transformer_dims
 from distlab.comm import CommLedger
 from distlab.data import synthetic_tokens
 from distlab.launch import init_from_env, shutdown
 from distlab.loader import load
-from distlab.metrics import format_bytes, format_table, log0, progress
+from distlab.metrics import format_bytes, format_table, log0, progress, sync_device
 from distlab.models import GPTConfig, TinyGPT
 from distlab.todo import run_demo
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Tensor-parallel TinyGPT vs the same model on one process.")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--n-embd", type=int, default=64)
-    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=None, help="default: 16 per head")
+    parser.add_argument("--n-head", type=int, default=None, help="default: 4, rounded up to a multiple of the ranks")
+    parser.add_argument("--vocab", type=int, default=None, help="default: 64, rounded up to a multiple of the ranks")
     parser.add_argument("--lr", type=float, default=3e-3)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Heads, width and vocabulary that split over ``world_size`` ranks (see demos/sizes.py)."""
+    positive(args, "--steps", "--batch")
+    transformer_dims(args, world_size)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     env = init_from_env()
     try:
+        args = resolve_args(args, env.world_size)
         tp = load("phase2_advanced", "tensor_parallel")
-        cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=args.n_head, n_embd=args.n_embd)
+        cfg = GPTConfig(vocab_size=args.vocab, block_size=16, n_layer=2, n_head=args.n_head, n_embd=args.n_embd)
         torch.manual_seed(0)  # every rank builds the same full model, then keeps its shard
         reference = TinyGPT(cfg)
         model = tp.ParallelGPT(reference, group=None).to(env.device)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr, weight_decay=0.0)
-        tokens, targets = synthetic_tokens(n_seq=args.batch * args.steps, seq_len=16, vocab_size=64).tensors
+        tokens, targets = synthetic_tokens(n_seq=args.batch * args.steps, seq_len=16, vocab_size=args.vocab).tensors
         n_full = sum(p.numel() for p in reference.parameters())
         n_local = sum(p.numel() for p in model.parameters())
         log0(f"tensor parallel: TinyGPT over {env.world_size} ranks ({env.backend}); {n_full} parameters, "
@@ -67,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
                 loss = model(x, y)[1]
                 loss.backward()
             opt.step()
+            sync_device(env.device)  # CUDA work is queued: time it when it is done
             elapsed += time.perf_counter() - start
             ref_opt.zero_grad(set_to_none=True)  # the single-process twin, for the summary
             ref_loss = reference(x.cpu(), y.cpu())[1]

@@ -16,7 +16,12 @@ per rank, and the 1F1B pipeline timeline.
 
 The model: Linear(64, H) -> [Linear(H, H), Tanh] x L -> Linear(H, 10), L = 2 x ranks,
 so the pipeline gives each rank 2 blocks and tensor parallelism splits each pair of
-blocks Megatron-style (column, then row).
+blocks Megatron-style (column, then row). Two strategies need a model of their own, each
+compared with its own single-process twin on the same data: context parallelism (phase
+5's ring attention) trains a one-block TinyGPT on 128-token sequences (a bigram rule), each
+rank holding a zig-zag share of every sequence's tokens; expert parallelism trains an MoE
+classifier on the same digits, Linear(64, h) -> Tanh -> residual mixture of 2 x ranks
+experts (top-2, none dropped) -> Linear(h, 10), h = min(H, 64), two experts per rank.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from demos.sizes import multiple_of, positive
 from distlab.comm import CommLedger
 from distlab.loader import load
 from distlab.metrics import format_bytes, format_table, log0, tensor_bytes
@@ -66,8 +72,12 @@ class Run:
     """What one strategy needs: a step function, the full parameters at the end, its state bytes."""
 
     def __init__(self, step: Callable, full_state: Callable[[], dict], state_bytes: Callable[[], int],
-                 timeline: Callable[[], list] | None = None) -> None:
+                 timeline: Callable[[], list] | None = None,
+                 baseline: Callable[[], tuple[list[float], dict]] | None = None,
+                 samples_per_step: int | None = None) -> None:
         self.step, self.full_state, self.state_bytes, self.timeline = step, full_state, state_bytes, timeline
+        self.baseline = baseline  # a model of its own: (losses, state) of its single-process twin
+        self.samples_per_step = samples_per_step  # None: the global batch of digits
 
 
 def _sgd(params) -> torch.optim.Optimizer:
@@ -82,13 +92,14 @@ def _data_parallel(kind: str, model: nn.Module, rank: int, world_size: int) -> R
         return (x, y) if kind == "single" else (shard(x, rank, world_size), shard(y, rank, world_size))
 
     if kind == "zero3":
-        fsdp = load("phase3_multi_node", "fsdp").FullyShardedDataParallel(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+        fsdp = load("phase3_multi_node", "fsdp").FullyShardedDataParallel(model)
+        opt = _sgd(fsdp.parameters())  # torch's SGD on the wrapper's parameters: its flat shards
 
         def step(x, y):
-            fsdp.zero_grad()
+            opt.zero_grad()
             loss = F.cross_entropy(fsdp(*local(x, y)[:1]), local(x, y)[1])
             loss.backward()
-            fsdp.step()
+            opt.step()
             return loss
         mem = fsdp.memory_bytes
         return Run(step, lambda: load("phase3_multi_node", "fsdp_state").full_state_dict(fsdp), lambda: sum(mem().values()))
@@ -150,7 +161,7 @@ def _tensor_parallel(model: nn.Sequential) -> Run:
         row = RowParallelLinear.from_linear(blocks[i + 1][0])
         names[col], names[row] = (f"{i + 1}.0", 0), (f"{i + 2}.0", 1)
         layers += [col, nn.Tanh(), row, nn.Tanh()]
-    tp = nn.Sequential(*layers, model[-1])
+    tp = nn.Sequential(*layers, model[-1]).to(model[0].weight.device)  # the shards are made on the CPU
     optimizer = _sgd(tp.parameters())
 
     def step(x, y):
@@ -175,7 +186,8 @@ def _tensor_parallel(model: nn.Sequential) -> Run:
     return Run(step, full_state, lambda: _state_bytes(tp.parameters(), optimizer))
 
 
-def _pipeline(model: nn.Sequential, rank: int, world_size: int, microbatches: int, hidden: int) -> Run:
+def _pipeline(model: nn.Sequential, rank: int, world_size: int, microbatches: int, hidden: int,
+              device: torch.device) -> Run:
     pipeline = load("phase2_advanced", "pipeline")
     PipelineStage, train_step = pipeline.PipelineStage, pipeline.train_step
 
@@ -185,14 +197,14 @@ def _pipeline(model: nn.Sequential, rank: int, world_size: int, microbatches: in
     first = [model[0]] if rank == 0 else []
     last = [model[-1]] if rank == world_size - 1 else []
     stage_module = nn.Sequential(*first, *mine, *last)
-    stage = PipelineStage(stage_module, recv_shape=(0, hidden))
+    stage = PipelineStage(stage_module, recv_shape=(0, hidden), device=device)
     optimizer = _sgd(stage_module.parameters())
     offset = 1 + rank * per
 
     def step(x, y):
         stage.recv_shape = (len(y) // microbatches, hidden)
         loss = train_step(stage, optimizer, "1f1b", x, y, F.cross_entropy, microbatches)
-        out = torch.tensor([loss if loss is not None else 0.0])
+        out = torch.tensor([loss if loss is not None else 0.0], device=device)
         dist.broadcast(out, src=world_size - 1)  # the loss lives on the last stage
         return out
 
@@ -201,7 +213,7 @@ def _pipeline(model: nn.Sequential, rank: int, world_size: int, microbatches: in
         for i, layer in enumerate(first + mine + last):
             index = 0 if (first and i == 0) else (len(model) - 1 if (last and i == len(first + mine + last) - 1)
                                                   else offset + i - len(first))
-            named.update({f"{index}.{k}": v for k, v in layer.state_dict().items()})
+            named.update({f"{index}.{k}": v.cpu() for k, v in layer.state_dict().items()})  # pickled: CPU
         parts = [None] * world_size
         dist.all_gather_object(parts, named)
         return {k: v for p in parts for k, v in p.items()}
@@ -231,6 +243,174 @@ def _compression(method: str, model: nn.Module, rank: int, world_size: int) -> R
     return Run(step, model.state_dict, lambda: _state_bytes(model.parameters(), optimizer))
 
 
+class HeadsProjection(torch.autograd.Function):
+    """``proj`` applied to attention output ``y`` (B, heads, T, D) where it lies: reshaping the
+    ring's head-major output to (B, T, heads*D) for an ``nn.Linear`` would copy it (flash
+    attention writes token-major and needs no copy). Saves only ``y`` and the weight."""
+
+    @staticmethod
+    def forward(ctx, y, weight, bias):
+        ctx.save_for_backward(y, weight)
+        return torch.einsum("bhtd,ohd->bto", y, weight.view(weight.shape[0], y.shape[1], y.shape[3])) + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, weight = ctx.saved_tensors
+        w = weight.view(weight.shape[0], y.shape[1], y.shape[3])
+        return (torch.einsum("bto,ohd->bhtd", grad, w), torch.einsum("bto,bhtd->ohd", grad, y).reshape(weight.shape),
+                grad.sum(dim=(0, 1)))
+
+
+class RingSelfAttention(nn.Module):
+    """TinyGPT's causal attention (its q, k, v, proj, same names) on this rank's tokens, at the
+    positions ``layout[rank]``; the K/V blocks travel the ring (``ring_attention``, phase 5)."""
+
+    def __init__(self, attn: nn.Module, layout: list[torch.Tensor], ring_attention: Callable,
+                 group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.proj = attn.q, attn.k, attn.v, attn.proj
+        self.n_head, self.head_dim = attn.n_head, attn.head_dim
+        self.layout, self.ring_attention, self.group = layout, ring_attention, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = self.ring_attention(q, k, v, self.layout, self.group)
+        return HeadsProjection.apply(y, self.proj.weight, self.proj.bias)
+
+
+class MoEMLP(nn.Module):
+    """An ``ExpertParallelMoE`` where an MLP was: (..., d) in and out; ``aux`` holds the last
+    forward's load-balancing share."""
+
+    def __init__(self, moe: nn.Module) -> None:
+        super().__init__()
+        self.moe, self.aux = moe, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, self.aux = self.moe(x.reshape(-1, x.shape[-1]))
+        return y.view_as(x)
+
+
+class MoEClassifier(nn.Module):
+    """Linear(64, H) -> Tanh -> h + MoE(h) -> Linear(H, 10): the tour's MoE model."""
+
+    def __init__(self, inp: nn.Linear, moe: nn.Module, out: nn.Linear) -> None:
+        super().__init__()
+        self.inp, self.mlp, self.out = inp, MoEMLP(moe), out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.out(h + self.mlp(h))
+
+
+def _long_sequences(steps: int, seq_len: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    from distlab.data import synthetic_tokens
+
+    x, y = synthetic_tokens(n_seq=2 * steps, seq_len=seq_len, vocab_size=32).tensors
+    return [(x[i:i + 2].to(device), y[i:i + 2].to(device)) for i in range(0, 2 * steps, 2)]
+
+
+def _context_parallel(rank: int, world_size: int, steps: int, device: torch.device, seq_len: int = 128) -> Run:
+    """A one-block TinyGPT on sequences of ``seq_len`` tokens, 2 per step; every rank holds a
+    zig-zag share of each sequence's tokens (and every parameter)."""
+    from distlab.models import GPTConfig, TinyGPT
+    from distlab.sync import allreduce_gradients
+
+    ring = load("phase5_large_models", "ring_attention")
+    cfg = GPTConfig(vocab_size=32, block_size=seq_len, n_layer=1, n_head=4, n_embd=32)
+    data = _long_sequences(steps, seq_len, device)
+    layout = ring.sequence_layout(seq_len, world_size, "zigzag")
+    pos = layout[rank].to(device)
+    torch.manual_seed(0)
+    gpt = TinyGPT(cfg).to(device)
+    for block in gpt.blocks:
+        block.attn = RingSelfAttention(block.attn, [p.to(device) for p in layout], ring.ring_attention)
+    optimizer, batches = _sgd(gpt.parameters()), iter(data)
+
+    def step(x, y):  # the digits batch is not this model's: its own token batches, in order
+        tokens, targets = next(batches)
+        optimizer.zero_grad(set_to_none=True)
+        h = gpt.wte(tokens[:, pos]) + gpt.wpe(pos)
+        for block in gpt.blocks:
+            h = block(h)
+        logits = gpt.lm_head(gpt.ln_f(h))
+        # this rank's share of the mean over every token: the shares' gradients sum to the whole's
+        loss = F.cross_entropy(logits.flatten(0, 1), targets[:, pos].flatten(), reduction="sum") / targets.numel()
+        loss.backward()
+        allreduce_gradients(gpt.parameters(), average=False)  # every rank holds every parameter
+        optimizer.step()
+        return loss
+
+    def baseline():  # the same model and batches in one process, torch's attention on every token
+        torch.manual_seed(0)
+        single = TinyGPT(cfg).to(device)
+        opt, losses = _sgd(single.parameters()), []
+        for tokens, targets in data:
+            opt.zero_grad(set_to_none=True)
+            loss = single(tokens, targets)[1]
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, single.state_dict()
+
+    return Run(step, gpt.state_dict, lambda: _state_bytes(gpt.parameters(), optimizer), baseline=baseline,
+               samples_per_step=len(data[0][0]))
+
+
+def _expert_parallel(rank: int, world_size: int, hidden: int, batches, device: torch.device) -> Run:
+    """The MoE classifier, 2 experts per rank, on this rank's shard of every digits batch."""
+    from distlab.sync import allreduce_gradients
+    from distlab.testing import shard
+
+    moe = load("phase5_large_models", "moe")
+    experts = 2 * world_size
+    single_group, _ = dist.new_subgroups(group_size=1)  # collective: every rank, a group of itself
+
+    def build(group) -> MoEClassifier:
+        torch.manual_seed(0)  # every rank and the twin: the same model (each rank keeps its experts)
+        inp, out = nn.Linear(64, hidden), nn.Linear(hidden, 10)
+        router, every_expert = nn.Linear(hidden, experts, bias=False), moe.Experts(experts, hidden, 2 * hidden)
+        # capacity factor E / k: C = N, no token dropped, so the twin's routing is the same
+        layer = moe.ExpertParallelMoE(router, every_expert, top_k=2, capacity_factor=experts / 2, group=group)
+        return MoEClassifier(inp, layer, out).to(device)
+
+    def backward(model, x, y, ranks: int) -> torch.Tensor:
+        loss = F.cross_entropy(model(x), y, reduction="sum") / (len(y) * ranks) + model.mlp.aux  # shares sum
+        loss.backward()
+        return loss
+
+    model = build(None)
+    optimizer = _sgd(model.parameters())
+    dense = [p for name, p in model.named_parameters() if ".experts." not in name]
+
+    def step(x, y):
+        optimizer.zero_grad(set_to_none=True)
+        loss = backward(model, shard(x, rank, world_size), shard(y, rank, world_size), world_size)
+        allreduce_gradients(dense, average=False)  # replicated: sum the shares; each expert lives on one rank
+        optimizer.step()
+        return loss
+
+    def full_state():
+        state = model.state_dict()
+        for name in [n for n in state if ".experts." in n]:  # experts: every rank's, in rank order
+            parts = [torch.empty_like(state[name]) for _ in range(world_size)]
+            dist.all_gather(parts, state[name].contiguous())
+            state[name] = torch.cat(parts)
+        return state
+
+    def baseline():  # all the experts in one process, the whole batch
+        single = build(single_group)
+        opt, losses = _sgd(single.parameters()), []
+        for x, y in batches:
+            opt.zero_grad(set_to_none=True)
+            losses.append(backward(single, x, y, 1).item())
+            opt.step()
+        return losses, single.state_dict()
+
+    return Run(step, full_state, lambda: _state_bytes(model.parameters(), optimizer), baseline=baseline)
+
+
 STRATEGIES = {  # name -> (family, argument)
     "single process": ("dp", "single"),
     "naive DP [phase 1]": ("dp", "naive"),
@@ -244,18 +424,25 @@ STRATEGIES = {  # name -> (family, argument)
     "pipeline 1F1B [phase 2]": ("pp", None),
     "PowerSGD DDP [phase 4]": ("compress", "powersgd"),
     "fp16 DDP [phase 4]": ("compress", "fp16"),
+    "context parallel, ring [phase 5]": ("cp", None),
+    "expert parallel, MoE [phase 5]": ("ep", None),
 }
 
 
-def run_strategy(name: str, rank: int, world_size: int, batches, hidden: int, microbatches: int) -> dict:
+def run_strategy(name: str, rank: int, world_size: int, batches, hidden: int, microbatches: int,
+                 device: torch.device = torch.device("cpu")) -> dict:
     family, arg = STRATEGIES[name]
-    model = build_model(hidden, 2 * world_size)
-    if family == "dp":
+    model = build_model(hidden, 2 * world_size).to(device)
+    if family == "cp":
+        run = _context_parallel(rank, world_size, len(batches), device)
+    elif family == "ep":
+        run = _expert_parallel(rank, world_size, min(hidden, 64), batches, device)  # small: the tour's time
+    elif family == "dp":
         run = _data_parallel(arg, model, rank, world_size)
     elif family == "tp":
         run = _tensor_parallel(model)
     elif family == "pp":
-        run = _pipeline(model, rank, world_size, microbatches, hidden)
+        run = _pipeline(model, rank, world_size, microbatches, hidden, device)
     else:
         run = _compression(arg, model, rank, world_size)
     losses, ledger = [], CommLedger()
@@ -267,56 +454,75 @@ def run_strategy(name: str, rank: int, world_size: int, batches, hidden: int, mi
         if family in ("dp", "compress") and arg != "single":
             dist.all_reduce(loss)  # outside the ledger: the mean of the shard losses
             loss /= world_size
+        elif family in ("cp", "ep"):
+            dist.all_reduce(loss)  # outside the ledger: the shares sum to the loss
         losses.append(loss.item())
     dist.barrier()
     wall = time.perf_counter() - start
     return {"losses": losses, "wall": wall, "bytes_per_step": ledger.wire_bytes() / len(batches),
-            "state_bytes": run.state_bytes(), "full_state": {k: v.detach().clone() for k, v in run.full_state().items()},
-            "timeline": run.timeline() if run.timeline else None}
+            "state_bytes": run.state_bytes(),
+            "full_state": {k: v.detach().cpu().clone() for k, v in run.full_state().items()},
+            "timeline": run.timeline() if run.timeline else None,
+            "baseline": run.baseline() if run.baseline else None,
+            "samples_per_step": run.samples_per_step or len(batches[0][1])}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    from distlab.launch import init_from_env, shutdown
-    from distlab.plots import plot_bars, plot_loss_curves, plot_timeline
-
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Every strategy on the same model and data, side by side.")
     parser.add_argument("--quick", action="store_true", help="a sub-minute version (fewer steps, smaller model)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--out", default="runs/tour")
     parser.add_argument("--only", nargs="*", default=None, help=f"a subset of: {list(STRATEGIES)}")
-    args = parser.parse_args(argv)
-    steps = args.steps or (12 if args.quick else 60)
+    return parser
+
+
+def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """The steps, and a hidden width that tensor parallelism splits ``world_size`` ways."""
+    args.steps = args.steps or (12 if args.quick else 60)
+    positive(args, "--steps")
+    # The default is rounded down to a multiple of the world size; a width given must be one.
+    args.hidden = multiple_of(args.hidden, (64 if args.quick else 256) // world_size * world_size, world_size,
+                              "--hidden", "the world size")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from distlab.launch import init_from_env, shutdown
+    from distlab.plots import plot_bars, plot_loss_curves, plot_timeline
+
+    args = build_parser().parse_args(argv)
     env = init_from_env()
     try:
-        W = env.world_size
-        # Tensor parallelism splits the hidden layers W ways: round the default down to a multiple of W.
-        hidden = args.hidden or (64 if args.quick else 256) // W * W
+        args = resolve_args(args, env.world_size)
+        W, steps, hidden = env.world_size, args.steps, args.hidden
         microbatches = 2 * W
         global_batch = 24 * W * microbatches // W  # divisible by W and by the micro-batch count
-        batches = global_batches(steps, global_batch)
+        batches = [(x.to(env.device), y.to(env.device)) for x, y in global_batches(steps, global_batch)]
         names = [n for n in STRATEGIES if args.only is None or n in args.only or n == "single process"]
         log0(f"tour: {len(names)} strategies x {steps} steps on {W} ranks ({env.backend}); MLP 64-{hidden}x"
              f"{2 * W}-10 on digits, global batch {global_batch}, SGD(lr=0.1, momentum=0.9)")
         results = {}
         for i, name in enumerate(names):
             log0(f"[{i + 1}/{len(names)}] {name} ...")
-            results[name] = run_strategy(name, env.rank, W, batches, hidden, microbatches)
+            results[name] = run_strategy(name, env.rank, W, batches, hidden, microbatches, env.device)
         base = results["single process"]
         rows, summary = [], {}
         for name, r in results.items():
-            diff = max((r["full_state"][k] - v).abs().max().item() for k, v in base["full_state"].items())
-            state = torch.tensor([float(r["state_bytes"])])
+            twin_losses, twin_state = r["baseline"] or (base["losses"], base["full_state"])
+            diff = max((r["full_state"][k] - v.cpu()).abs().max().item() for k, v in twin_state.items())
+            state = torch.tensor([float(r["state_bytes"])], device=env.device)
             dist.all_reduce(state, op=dist.ReduceOp.MAX)  # the fullest rank
             summary[name] = {"final_loss": r["losses"][-1], "max_param_diff": diff, "state_bytes": state.item(),
-                             "bytes_per_step": r["bytes_per_step"]}
+                             "bytes_per_step": r["bytes_per_step"], "single_final_loss": twin_losses[-1]}
             rows.append({"strategy": name, "final loss": f"{r['losses'][-1]:.4f}", "max |param - single|": f"{diff:.1e}",
-                         "samples/s": f"{steps * global_batch / r['wall']:.0f}",
+                         "samples/s": f"{steps * r['samples_per_step'] / r['wall']:.0f}",
                          "sent/step/rank": format_bytes(r["bytes_per_step"]),
                          "model state/rank": format_bytes(state.item()), "wall s": f"{r['wall']:.2f}"})
         log0("\n" + format_table(rows))
         log0("max |param - single|: float32 sums reordered across ranks give ~1e-7..1e-5 after many steps; "
-             "compression is lossy by design.")
+             "compression is lossy by design. Context and expert parallelism train models of their own "
+             "(TinyGPT on long sequences, an MoE classifier), compared with their own single-process twins.")
         if env.rank == 0:
             out = Path(args.out)
             paths = [plot_loss_curves({n: r["losses"] for n, r in results.items()}, out / "loss_curves.png",

@@ -22,27 +22,42 @@ import time
 import torch
 import torch.distributed as dist
 
+from demos.sizes import grid_2d, positive
 from distlab.comm import CommLedger
 from distlab.data import synthetic_tokens
 from distlab.launch import init_from_env, shutdown
 from distlab.loader import load
-from distlab.metrics import format_bytes, format_table, log0, progress
+from distlab.metrics import format_bytes, format_table, log0, progress, sync_device
 from distlab.models import GPTConfig, TinyGPT
 from distlab.todo import run_demo
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="TinyGPT, data parallel x tensor parallel.")
-    parser.add_argument("--tp-size", type=int, default=2)
+    parser.add_argument("--tp-size", type=int, default=None,
+                        help="default: 2 where it divides the world size, else 1")
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="default: 16, rounded up to a multiple of the data-parallel size")
     parser.add_argument("--lr", type=float, default=3e-3)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """A tp size that divides the ranks, TinyGPT's 4 heads and its vocabulary of 64; a batch the replicas share."""
+    positive(args, "--steps")
+    grid_2d(args, world_size, {"TinyGPT's n_head": 4, "vocabulary": 64}, 16)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     env = init_from_env()
     try:
+        args = resolve_args(args, env.world_size)
         lesson = load("phase2_advanced", "tp_dp_2d")
         tp = load("phase2_advanced", "tensor_parallel")  # the layers of exercises 2.17-2.20
-        grid = lesson.build_grid(min(args.tp_size, env.world_size))
+        grid = lesson.build_grid(args.tp_size)
         cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=64)
         torch.manual_seed(0)  # every rank builds the same full model, then keeps its tp shard
         reference = TinyGPT(cfg)
@@ -60,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
             with ledger:
                 loss = lesson.train_step(model, opt, lambda m, a, b: m(a, b)[1], x.to(env.device),
                                          y.to(env.device), grid)
+            sync_device(env.device)  # CUDA work is queued: time it when it is done
             elapsed += time.perf_counter() - start
             ref_opt.zero_grad(set_to_none=True)
             ref_loss = reference(x, y)[1]  # single process, whole global batch

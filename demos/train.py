@@ -14,21 +14,33 @@ import argparse
 
 import torch.distributed as dist
 
+from demos.sizes import positive
 from distlab.launch import init_from_env, shutdown
 from distlab.loader import load
 from distlab.metrics import log0
 from distlab.todo import run_demo
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Show each rank's shard of a data set, per epoch.")
     parser.add_argument("--size", type=int, default=10, help="data set size (try one that W does not divide)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--drop-last", action="store_true")
     parser.add_argument("--no-shuffle", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Any size works at any world size (a short shard is padded or dropped: that is the lesson)."""
+    positive(args, "--size")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     env = init_from_env()
     try:
+        args = resolve_args(args, env.world_size)
         sampler_cls = load("phase1_data_parallel", "data_loader").DistributedSampler
         dataset = list(range(args.size))
         sampler = sampler_cls(dataset, env.world_size, env.rank, shuffle=not args.no_shuffle,

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distlab.metrics import sync_device
+
 # op name -> the argument that holds the bytes this rank contributes
 _PAYLOAD_ARG = {
     "all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor",
@@ -77,6 +79,17 @@ def all_gather_single(output: torch.Tensor, input: torch.Tensor,
     """
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, input, group=group, async_op=async_op)
+
+
+def _device_of(value) -> torch.device | None:
+    """The device of the first tensor in ``value`` (a tensor or a list of them), if any."""
+    if isinstance(value, torch.Tensor):
+        return value.device
+    for v in value if isinstance(value, (list, tuple)) else ():
+        found = _device_of(v)
+        if found is not None:
+            return found
+    return None
 
 
 def _nbytes(value) -> int:
@@ -168,7 +181,11 @@ class CommLedger:
         return total
 
     def seconds(self, op: str | None = None) -> float:
-        """Wall time spent inside synchronous calls (async calls wait elsewhere)."""
+        """Wall time spent inside synchronous calls (async calls wait elsewhere).
+
+        On CUDA the device is synchronised before and after each timed call, so this is
+        the op's own time, not the time to queue it.
+        """
         return sum(r.seconds for r in self.records if op is None or r.op == op)
 
     def summary(self) -> dict[str, dict[str, int]]:
@@ -214,9 +231,15 @@ class CommLedger:
             bound = signature.bind(*args, **kwargs)
             payload = bound.arguments.get(arg) if arg else None
             async_op = bool(bound.arguments.get("async_op", op in ("isend", "irecv")))
-            start = time.perf_counter()
-            result = original(*args, **kwargs)
-            seconds = 0.0 if async_op else time.perf_counter() - start
+            if async_op:  # not timed: it waits elsewhere
+                result, seconds = original(*args, **kwargs), 0.0
+            else:
+                device = _device_of(payload)
+                sync_device(device)  # on CUDA, time the op itself, not the queue ahead of it
+                start = time.perf_counter()
+                result = original(*args, **kwargs)
+                sync_device(device)  # a CUDA collective returns once it is queued
+                seconds = time.perf_counter() - start
             self._record(op, _nbytes(payload), bound.arguments.get("group"), seconds, async_op)
             return result
 

@@ -23,8 +23,9 @@ one launcher every test and demo uses, and it keeps the promises a course needs:
   the others wait in ("rank 1 never entered all_reduce #3 (16 B) on WORLD ...").
 
 Workers never read the environment; ``init_from_env`` is the torchrun-side twin:
-it reads RANK/WORLD_SIZE/LOCAL_RANK, picks NCCL when every local rank has a GPU
-(gloo otherwise), pins the device, and runs as rank 0 of 1 without torchrun.
+it reads RANK/WORLD_SIZE/LOCAL_RANK, puts the script on ``cuda:LOCAL_RANK`` with
+"cpu:gloo,cuda:nccl" when every local rank has a GPU (the CPU and gloo otherwise),
+and runs as rank 0 of 1 without torchrun.
 """
 from __future__ import annotations
 
@@ -101,13 +102,37 @@ def loopback_interface() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
-def resolve_backend(backend: str, world_size: int) -> str:
-    """"auto" means NCCL when there is one GPU per rank, gloo otherwise."""
+DEVICE_ENV = "DISTLAB_DEVICE"  # "cpu" or "cuda": where init_from_env puts a script's tensors
+
+
+def resolve_device(local_rank: int, local_world_size: int) -> torch.device:
+    """The device a script's model, batches and communicated tensors go to.
+
+    ``DISTLAB_DEVICE`` decides when set ("cpu", or "cuda" for ``cuda:local_rank``);
+    otherwise ``cuda:local_rank`` when every local rank has a GPU, else the CPU.
+    """
+    name = os.environ.get(DEVICE_ENV, "").strip().lower()
+    if not name:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        name = "cuda" if gpus >= local_world_size else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"{DEVICE_ENV}={name!r}: expected 'cpu' or 'cuda' (unset: cuda when every local rank "
+                         f"has a GPU)")
+    return torch.device("cuda", local_rank) if name == "cuda" else torch.device("cpu")
+
+
+def resolve_backend(backend: str, world_size: int, device: torch.device | None = None) -> str:
+    """The process-group backend for tensors on ``device``; "auto" never gives NCCL for CPU tensors.
+
+    "auto" is "cpu:gloo,cuda:nccl" when ``device`` is a CUDA device (NCCL moves the CUDA
+    tensors; gloo beside it keeps CPU-side control messages working: object collectives,
+    ``monitored_barrier``), and "gloo" otherwise, including without a device:
+    ``run_distributed``'s workers keep their tensors on the CPU unless a test asks for
+    a backend. Any other name is returned as given.
+    """
     if backend != "auto":
         return backend
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "nccl"
-    return "gloo"
+    return "cpu:gloo,cuda:nccl" if device is not None and device.type == "cuda" else "gloo"
 
 
 def free_port() -> int:
@@ -255,7 +280,7 @@ def _child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     message: tuple
     try:
-        if backend == "nccl":
+        if "nccl" in backend:  # "nccl" or a device map such as "cpu:gloo,cuda:nccl": one GPU per rank
             torch.cuda.set_device(rank)
         store = dist.FileStore(store_path, world_size)
         try:
@@ -358,7 +383,8 @@ def _run_distributed_once(fn: Callable[..., Any], world_size: int, *args: Any, b
     Args:
         fn: a module-level function (it is pickled to the ranks).
         world_size: number of ranks, >= 1.
-        backend: "gloo", "nccl" or "auto" (NCCL when there is a GPU per rank).
+        backend: "gloo", "nccl", "cpu:gloo,cuda:nccl" or "auto" (gloo: the workers' tensors
+            are on the CPU unless they choose otherwise); with NCCL, rank r uses ``cuda:r``.
         timeout_s: the whole run's deadline; ranks still running then are killed
             and ``TimeoutError`` names them (with the hang doctor's table).
         pg_timeout_s: the process group's timeout, after which a collective or
@@ -556,14 +582,22 @@ class DistEnv:
 def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
     """Initialise the default process group from torchrun's environment.
 
-    Without torchrun (no RANK in the environment) this runs as rank 0 of a
-    1-rank gloo world, so every script also runs as a plain ``python -m``.
+    The device (``env.device``) is ``cuda:LOCAL_RANK`` when every local rank has a GPU and
+    the CPU otherwise, or what ``DISTLAB_DEVICE`` says ("cpu", "cuda"); every script puts
+    its model, batches and communicated tensors there. "auto" then picks the backend for
+    it: "cpu:gloo,cuda:nccl" on CUDA (NCCL for the tensors, gloo for CPU-side control
+    messages), "gloo" on the CPU.
+
+    Without torchrun (no RANK in the environment) this runs as rank 0 of 1, so every
+    script also runs as a plain ``python -m``.
 
     The store is prefixed with torchrun's restart count: after an elastic restart,
     ranks must not read the keys (addresses, barriers) the previous attempt left.
 
     Inside ``run_distributed`` (a process group already exists) it describes that
-    group instead, so a script's ``main()`` can also be driven from a test.
+    group instead, so a script's ``main()`` can also be driven from a test: the device is
+    the current CUDA device when the group has NCCL, ``cuda:rank`` with ``DISTLAB_DEVICE=cuda``
+    (modulo the GPUs there are: ranks may share one), else the CPU.
 
     With DISTLAB_HANG_TIMEOUT=<seconds> in the environment, a watchdog thread in every rank
     records its communication and, when a rank stays blocked in one op that long, prints the
@@ -576,19 +610,29 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
     if dist.is_initialized():
         backend = dist.get_backend()
         rank = dist.get_rank()
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        return DistEnv(rank, dist.get_world_size(), device.index or 0, backend, device)
+        device = torch.device("cpu")
+        if "nccl" in backend:
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif os.environ.get(DEVICE_ENV, "").strip():  # e.g. CUDA tensors on a gloo world
+            gpus = torch.cuda.device_count()
+            device = resolve_device(rank % gpus if gpus else rank, 1)  # ranks share the GPUs there are
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+        return DistEnv(rank, dist.get_world_size(), rank, backend, device)
     if "RANK" not in os.environ:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        return DistEnv(0, 1, 0, "gloo", torch.device("cpu"))
+        device = resolve_device(0, 1)
+        backend = resolve_backend(backend, 1, device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return DistEnv(0, 1, 0, backend, device)
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    backend = resolve_backend(backend, local_world)
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank)
+    device = resolve_device(local_rank, local_world)
+    backend = resolve_backend(backend, world_size, device)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = BoundTCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
@@ -613,7 +657,7 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
                               hang_timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s),
-                            device_id=device if backend == "nccl" else None)
+                            device_id=device if "nccl" in backend else None)
     return DistEnv(rank, world_size, local_rank, backend, device)
 
 
@@ -661,8 +705,11 @@ def torchrun(argv: list[str]) -> None:
 
     ``entrypoint.sh`` runs it as ``python -m distlab.launch ...``: with ``--standalone`` it adds
     ``--local-addr=127.0.0.1`` and GLOO_SOCKET_IFNAME=lo, so a one-machine job listens on loopback only.
+    A failed job ends with ``distlab.todo.summarize_failure``'s few lines (the first failing rank
+    and its error, once) and exit code 1, not torchrun's traceback and report of every rank.
     """
     from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
 
     if "--standalone" in argv:
@@ -673,7 +720,13 @@ def torchrun(argv: list[str]) -> None:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
     dist.TCPStore = c10d_rendezvous_backend.TCPStore = BoundTCPStore
-    run.main(argv)
+    try:
+        run.run(run.parse_args(argv))  # run.main without its @record, which logs that this agent has no error file
+    except ChildFailedError as exc:
+        from distlab.todo import summarize_failure
+
+        print(summarize_failure(exc), file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -44,8 +44,20 @@ def progress(iterable: Iterable, desc: str = "", total: int | None = None, **kwa
     return tqdm(iterable, desc=desc, total=total, file=sys.stdout, dynamic_ncols=True, **kwargs)
 
 
-def _sync(device: torch.device | None) -> None:
-    if device is not None and device.type == "cuda":
+def device_clock(device: torch.device | str | None) -> float:
+    """``time.perf_counter()`` once the work queued on ``device`` has finished (see sync_device)."""
+    sync_device(device)
+    return time.perf_counter()
+
+
+def sync_device(device: torch.device | str | None) -> None:
+    """Wait until the work queued on ``device`` has finished; call it before reading a clock.
+
+    A CUDA op returns once it is queued, so a clock read right after it times the launch,
+    not the work. CPU ops (and gloo's synchronous calls) have finished when they return:
+    no-op there, and for ``None``.
+    """
+    if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 
@@ -83,12 +95,12 @@ class StepTimer:
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
-        _sync(self.device)
+        sync_device(self.device)
         start = time.perf_counter()
         try:
             yield
         finally:
-            _sync(self.device)
+            sync_device(self.device)
             self.times[name].append(time.perf_counter() - start)
 
     def total(self, name: str) -> float:

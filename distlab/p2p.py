@@ -20,6 +20,7 @@ or receives from "anyone", and empty tensors are skipped (both ends know the siz
     batch(sends, recvs)                   any set of sends and receives, grouped; async
     send(t, to) / recv(t, frm)            one-sided, when the peer only receives / sends
     Outbox                                 pipelines: a send leaves with the next receive
+    Inbox                                  senders announce themselves; the receiver names each one
 
 Strict mode (``DISTLAB_STRICT_P2P=1``, set by the pytest plugin; or ``enable_strict()``)
 checks NCCL's rules on every point-to-point operation of ``torch.distributed`` in this
@@ -162,7 +163,8 @@ class Outbox:
     """Sends that leave together with this rank's next receive (pipelines: send forward / receive backward).
 
     ``put(t, peer)`` queues a send; ``recv(buf, peer)`` posts every queued send and the
-    receive as one launch and waits for the receive; ``flush()`` posts the queued sends
+    receive as one launch and waits for the receive (``recv_all`` for several receives
+    in one launch); ``flush()`` posts the queued sends
     alone (before work that receives nothing); ``finish()`` flushes and waits for every
     send. In 1F1B's steady state a stage sends an activation forward and receives a
     gradient back from the same neighbour: grouped, NCCL needs no buffering for it.
@@ -179,15 +181,28 @@ class Outbox:
         self._queued.append((tensor, peer))
 
     def recv(self, tensor: torch.Tensor, peer: int) -> torch.Tensor:
+        self.recv_all([(tensor, peer)])
+        return tensor
+
+    def recv_all(self, recvs: Sequence[tuple[torch.Tensor, int]]) -> None:
+        """Post every queued send and all of ``recvs`` as one launch; wait for the receives.
+
+        Receives that must be in flight together go here, not in successive ``recv`` calls:
+        a launch on NCCL waits for the one before it, sends included. With none, a ``flush``.
+        """
+        recvs = [(t, peer) for t, peer in recvs if t.numel()]
+        if not recvs:
+            self.flush()
+            return
         sends, self._queued = self._queued, []
-        work = batch(sends, [(tensor, peer)], self.group)
-        # Wait for the receive only (the last op; a backend that returns one handle per batch
+        work = batch(sends, recvs, self.group)
+        # Wait for the receives only (the last ops; a backend that returns one handle per batch
         # waits for all): the sends are waited for in finish(), their buffers kept until then.
-        receive = work.works[-1:]
-        work.works = work.works[:-1]
+        nsends = max(len(work.works) - len(recvs), 0)
+        receive = work.works[nsends:]
+        work.works = work.works[:nsends]
         P2PWork(receive).wait()
         self._pending.append(work)
-        return tensor
 
     def flush(self) -> None:
         if self._queued:
@@ -199,6 +214,50 @@ class Outbox:
         for work in self._pending:
             work.wait()
         self._pending.clear()
+
+
+class Inbox:
+    """Messages to one rank from senders it cannot name in advance (a parameter server's workers).
+
+    NCCL has no any-source receive, and a receive posted for a rank that is not sending
+    holds up every launch behind it. So a sender first *announces* itself in the
+    receiver's inbox, then posts its send as usual; the receiver takes the announcements
+    in the order they were made (``next``) and receives from exactly that rank. The
+    announcements travel on the process group's key-value store (the one every group
+    has for its rendezvous): a few bytes each, no tensor, no NCCL. First come, first served.
+
+        inbox = Inbox(owner=0, name="ps")       # on every rank of the group, same name, same order
+        inbox.announce("push")                  # a sender, before its send to rank 0
+        sender, note = inbox.next()             # rank 0: who comes next; then recv(..., frm=sender)
+
+    A sender must post its send right after announcing (nothing in between that waits on the
+    owner), so that the owner's receive never waits on anything but that send.
+    Cost: two store writes per announcement, one read and one delete per ``next``.
+    ``next`` waits up to the store's timeout (the process group's): a sender that died
+    without announcing its leave is an error there, not a hang.
+    """
+
+    def __init__(self, owner: int, name: str, group: dist.ProcessGroup | None = None) -> None:
+        group = dist.group.WORLD if group is None else group
+        self.owner, self.rank = owner, dist.get_rank(group)
+        self.store = dist.distributed_c10d._get_default_store()
+        base = f"distlab/inbox/{group.group_name}/{name}/{owner}"
+        # The n-th inbox of this name on this rank is the n-th on every rank: a fresh queue per use.
+        self.prefix = f"{base}/{self.store.add(f'{base}/opened/{self.rank}', 1)}"
+        self.taken = 0
+
+    def announce(self, note: str = "") -> None:
+        """Join the owner's queue (then post the send); ``note``: a short string the owner gets with it."""
+        ticket = self.store.add(f"{self.prefix}/count", 1)
+        self.store.set(f"{self.prefix}/{ticket}", f"{self.rank}|{note}")
+
+    def next(self) -> tuple[int, str]:
+        """The owner: ``(sender's group rank, note)`` of the next announcement, waiting for it."""
+        self.taken += 1
+        key = f"{self.prefix}/{self.taken}"
+        sender, note = self.store.get(key).decode().split("|", 1)
+        self.store.delete_key(key)
+        return int(sender), note
 
 
 # --------------------------------------------------------------------------- strict mode

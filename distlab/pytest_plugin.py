@@ -32,6 +32,8 @@ import pytest
 from distlab.loader import IMPL_ENV, IMPLS, STUDENT_DIR_ENV
 from distlab.todo import LearnerTODO
 
+os.environ.setdefault("DISTLAB_STRICT_P2P", "1")  # NCCL's p2p rules checked in every rank (distlab/p2p.py); =0 turns it off
+
 REPO = Path(__file__).resolve().parent.parent
 WEIGHTS = REPO / "grading" / "weights.toml"
 

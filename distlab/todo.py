@@ -33,30 +33,88 @@ def todo(what: str, where: str) -> LearnerTODO:
 
 
 TODO_EXIT_CODE = 3
+FAILED_ON = "failed on rank"  # summarize_failure's first line: "demos.pipeline failed on rank 1 (exit code 1): ..."
 
 
 def run_demo(main: Callable[[], object]) -> None:
-    """Run a demo's ``main()``; an unfinished TODO ends the process with one line and exit code 3.
+    """Run a demo's ``main()``: an unfinished TODO ends it with one line, any other error with one report.
 
     Demos run the learner's code under ``IMPL=templates``: a LearnerTODO is the
     expected way for such a run to stop, so it is printed as its message alone
-    (``TODO 1.2 ...: not implemented yet (see ...)``), not as a traceback. Every other
-    exception propagates unchanged. Use as the ``if __name__ == "__main__":`` line.
+    (``TODO 1.2 ...: not implemented yet (see ...)``) with exit code 3, not as a traceback.
+    Use as the ``if __name__ == "__main__":`` line.
+
+    Any other exception is recorded by torch's ``@record`` (``main`` runs wrapped in it):
+    under torchrun the rank writes it to its error file and exits with code 1 without
+    printing, so the launcher reports it once, with the failing rank, instead of every
+    rank printing the same traceback (plain torchrun: its "Root Cause" block;
+    ``python -m distlab.launch`` and ``entrypoint.sh``: ``summarize_failure``'s few lines).
+    Without torchrun a ValueError (the demos' message for a flag that cannot work) is
+    printed as one line with exit code 1, and anything else propagates with its traceback.
     """
+    from torch.distributed.elastic.multiprocessing.errors import record
+
     try:
-        main()
+        record(main)()
     except LearnerTODO as exc:
         print(str(exc), file=sys.stderr, flush=True)
         sys.exit(TODO_EXIT_CODE)
+    except Exception as exc:
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            sys.exit(1)  # recorded in the error file: torchrun's report carries it
+        if isinstance(exc, ValueError):
+            print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            sys.exit(1)
+        raise
+
+
+def summarize_failure(error) -> str:
+    """torchrun's ChildFailedError in a few lines: the first failure's rank and error, once.
+
+    A ValueError or a LearnerTODO is one line (its message says what to change); another
+    exception comes with the traceback its rank recorded; a rank that recorded nothing (one
+    killed by a signal, or ended by the hang doctor) with its exit code. The other failed
+    ranks follow in one line, without their errors repeated.
+    """
+    root_rank, root = error.get_first_failure()
+
+    def recorded(failure) -> tuple[str, str]:
+        """(the recorded "Type: message", its traceback); empty without an error file."""
+        message = failure.message
+        if isinstance(message, dict):
+            return (str(message.get("message", "")).strip(),
+                    str(message.get("extraInfo", {}).get("py_callstack", "")).strip())
+        return (str(message), "") if os.path.isfile(failure.error_file) else ("", "")  # else torch's own words
+
+    def code(failure) -> str:
+        return f"exit code {failure.exitcode}" + (f", {failure.signal_name()}" if failure.exitcode < 0 else "")
+
+    text, stack = recorded(root)
+    lines = [f"{error.name} {FAILED_ON} {root_rank} ({code(root)}): "
+             + (text or "no error recorded: see the output above")]
+    if stack and not text.startswith(("ValueError:", "LearnerTODO:")):
+        lines += ["  " + row for row in stack.splitlines()]
+    others = sorted(rank for rank in error.failures if rank != root_rank)
+    same = [rank for rank in others if text and recorded(error.failures[rank])[0] == text]
+    notes = [f"rank(s) {', '.join(map(str, same))} with the same error"] if same else []
+    for rank in others:
+        if rank not in same:
+            other = recorded(error.failures[rank])[0]
+            notes.append(f"rank {rank} ({code(error.failures[rank])})"
+                         + (f": {other.splitlines()[0]}" if other else ""))
+    if notes:
+        lines.append(f"  and {'; '.join(notes)}")
+    return "\n".join(lines)
 
 
 def filter_launcher_output(lines: Iterable[str], out: TextIO) -> bool:
     """Copy torchrun's stderr to ``out``, keeping an unfinished TODO to one line.
 
     Every rank stops at the same TODO and prints the same line; torchrun then reports the
-    exit code 3 of every rank with its own traceback. Here the TODO line is printed once,
-    and what follows it is held back and dropped if it is only torchrun's report of those
-    exit codes (any other failure is printed in full). Returns whether a TODO was seen.
+    exit code 3 of every rank (its own traceback, or ``summarize_failure``'s lines). Here the
+    TODO line is printed once, and what follows it is held back and dropped if it is only
+    torchrun's report of those exit codes (any other failure is printed in full). Returns
+    whether a TODO was seen.
     """
     seen: list[str] = []
     held: list[str] = []
@@ -73,11 +131,12 @@ def filter_launcher_output(lines: Iterable[str], out: TextIO) -> bool:
             out.write(line)
             out.flush()
     report = "".join(held)
-    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", report)
+    codes = re.findall(r"exit ?code\s*:?\s*(-?\d+)", report)
     # A rank stopped by torchrun (SIGTERM, -15) after another stopped at the TODO is part of
     # the same stop; any other code is a real failure and its report is kept whole.
     only_todo_exits = str(TODO_EXIT_CODE) in codes and all(code in (str(TODO_EXIT_CODE), "-15") for code in codes)
-    if held and not ((only_todo_exits or not codes) and ("ChildFailedError" in report or "closing signal" in report)):
+    launcher_report = any(marker in report for marker in ("ChildFailedError", "closing signal", FAILED_ON))
+    if held and not ((only_todo_exits or not codes) and launcher_report):
         out.write(report)
     return bool(seen)
 

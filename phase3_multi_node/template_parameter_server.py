@@ -6,9 +6,15 @@ Ranks 0..S-1 are servers, ranks S..W-1 are workers. The model's parameters are
 split across the servers (greedy by size, so each holds about |params|/S bytes);
 each server owns its shard and applies SGD to it. Every step a worker
 
-    pulls   the current shard from every server (a status header, then the values),
+    pulls   the current shard from every server (a status, then the values),
     computes a gradient on its own slice of the global batch,
-    pushes  to each server the gradient of that server's shard (a header, then the values).
+    pushes  to each server the gradient of that server's shard.
+
+A server does not know which worker pushes next, and NCCL has no "receive from any rank"
+(nor tags). So a worker first announces its push in the server's inbox (``distlab.p2p.Inbox``,
+on the process group's store), then sends; the server receives from the announced rank, in
+arrival order. A worker posts its pushes and the receives of its next pull as one launch:
+on NCCL a server's reply never waits behind another server (guidelines.md#parameter-server).
 
 * sync: a server waits for all K workers' gradients of step t, applies their mean
   once, and replies to everyone: exactly single-process SGD on the global batch.
@@ -17,10 +23,10 @@ each server owns its shard and applies SGD to it. Every step a worker
   worker that would get more than s steps ahead of the slowest live worker. s=0 is
   synchronous again; larger s lets fast workers run ahead, on stale parameters.
 
-Failures: a worker that raises or stops early tells every server (LEAVE). In sync
+Failures: a worker that raises or stops early tells every server (a LEAVE announcement). In sync
 mode the servers reply ABORT to the others and everyone raises an error naming
 it; in async mode the servers drop it and go on. Nothing waits forever: a worker
-killed outright (no LEAVE) is caught by the process group's timeout.
+killed outright (no LEAVE) is caught by the store's timeout (the process group's).
 
 Cost per worker step: |params| bytes pushed and |params| pulled; a server moves
 2 K |shard| bytes per step: its network link is the bottleneck that sharding spreads.
@@ -38,11 +44,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from distlab import p2p
+from distlab.flat_buckets import pack as _pack, unpack as _unpack
 from distlab.todo import todo
 
-PUSH, LEAVE = 0, 1  # worker -> server header kinds
+PUSH, LEAVE = 0, 1  # worker -> server announcement kinds
 OK, ABORT = 0, 1  # server -> worker reply status
-_HEADER, _DATA = 1, 2  # tags: a header from any worker never matches a data message
 
 
 class JobAborted(RuntimeError):
@@ -92,52 +100,45 @@ def server_loads(sizes: list[int], owners: list[int], num_servers: int) -> list[
     return loads
 
 
-def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
-
-
-def _unpack(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    with torch.no_grad():
-        for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
-            t.copy_(piece.view_as(t))
-
-
 # --------------------------------------------------------------------------- server
-def serve(shard: torch.Tensor, config: PSConfig, steps: int) -> dict:
+def serve(shard: torch.Tensor, config: PSConfig, steps: int, inbox: p2p.Inbox | None = None) -> dict:
     """Run one server until every live worker has pushed ``steps`` gradients (or, in sync, one fails).
 
-    Collective-free: talks to the workers with send/recv only.
+    Collective-free: learns who comes next from ``inbox`` (this server's; opened here if
+    None), then talks to that worker alone, with messages that name it (``distlab.p2p``).
     Returns: ``{"pushes": n, "left": [worker ranks that left], "max_ahead": largest lead granted}``.
     Raises: RuntimeError naming the worker, in sync mode, when a worker leaves.
     """
     world_size = dist.get_world_size()
+    inbox = p2p.Inbox(dist.get_rank(), "parameter_server") if inbox is None else inbox
     workers = list(range(config.num_servers, world_size))
     done = {w: 0 for w in workers}  # gradients applied per worker
     alive, held = set(workers), set()  # held: pushed, waiting for permission to go on
     replies, pushes, leads = [], 0, [0]
-    header, grad = torch.zeros(2, dtype=torch.long), torch.empty_like(shard)
+    grad = torch.empty_like(shard)
     pending_sync: dict[int, torch.Tensor] = {}
 
     def reply(worker: int, status: int, failed: int = -1, lead: int = 0) -> None:
-        # isend: a blocking send could wait on a worker that is itself waiting on another server.
-        # The values are a snapshot: later updates must not leak into a message still in flight.
+        # Asynchronous: the worker has posted this receive already (with its push), so the
+        # send completes without us. The values are a snapshot: later updates must not leak
+        # into a message still in flight. The status lives where the shard does (NCCL: the GPU).
         leads.append(lead)
-        replies.append(dist.isend(torch.tensor([status, failed]), dst=worker, tag=_HEADER))
-        replies.append(dist.isend(shard.clone(), dst=worker, tag=_DATA))
+        status_t = torch.tensor([status, failed], device=shard.device)
+        replies.append(p2p.batch([(status_t, worker), (shard.clone(), worker)]))
 
     for w in workers:
         reply(w, OK)  # the initial pull
     while alive and (held or any(done[w] < steps for w in alive)):
-        src = dist.recv(header, tag=_HEADER)  # from any worker
-        kind, step = header.tolist()
+        src, note = inbox.next()  # who comes next (arrival order), and what it announced
+        kind, step = map(int, note.split("|"))
         if kind == LEAVE:
             alive.discard(src)
             held.discard(src)
             if config.mode == "sync":
-                return _abort(src, step, alive, set(pending_sync), reply, header, grad, replies)
+                return _abort(src, step, alive, set(pending_sync), reply, inbox, grad, replies)
             held = _release(held, done, alive, steps, config.staleness, reply)  # it may have been the slowest
             continue
-        dist.recv(grad, src=src, tag=_DATA)
+        p2p.recv(grad, src)  # its send is posted: it announced, then sent
         pushes += 1
         done[src] = step + 1
         held.add(src)
@@ -176,15 +177,15 @@ def _release(held: set, done: dict, alive: set, steps: int, staleness: int, repl
     return still_held
 
 
-def _abort(failed: int, step: int, alive: set, pushed: set, reply, header, grad, replies) -> dict:
+def _abort(failed: int, step: int, alive: set, pushed: set, reply, inbox: p2p.Inbox, grad, replies) -> dict:
     """Sync mode: answer ABORT to every live worker at its next push (so none is left waiting), then raise."""
     for w in pushed:
         reply(w, ABORT, failed)
     waiting = alive - pushed
     while waiting:
-        src = dist.recv(header, tag=_HEADER)
-        if header[0].item() == PUSH:
-            dist.recv(grad, src=src, tag=_DATA)
+        src, note = inbox.next()
+        if int(note.split("|")[0]) == PUSH:
+            p2p.recv(grad, src)
             reply(src, ABORT, failed)
         waiting.discard(src)
     for work in replies:  # delivered before we go: a worker must read ABORT, not a closed connection
@@ -196,30 +197,34 @@ def _abort(failed: int, step: int, alive: set, pushed: set, reply, header, grad,
 # --------------------------------------------------------------------------- worker
 def work(model: nn.Module, owners: list[int], config: PSConfig, steps: int,
          get_batch: Callable[[int, int, int], tuple], loss_fn: Callable,
-         on_pull: Callable[[int, nn.Module], None] | None = None) -> list[float]:
+         on_pull: Callable[[int, nn.Module], None] | None = None,
+         inboxes: list[p2p.Inbox] | None = None) -> list[float]:
     """Run one worker: pull, compute, push, ``steps`` times. Returns its losses.
 
     ``get_batch(step, worker_index, num_workers)`` gives this worker's slice of the step's
     global batch; ``on_pull(steps_done, model)`` (tests, logging) runs after every pull.
+    ``inboxes[s]``: server s's inbox (opened here if None).
     If anything raises (or the batches run out), every server is told (LEAVE) before re-raising.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     params = list(model.parameters())
     mine = [[p for p, o in zip(params, owners) if o == s] for s in range(config.num_servers)]
     index, num_workers = rank - config.num_servers, world_size - config.num_servers
+    if inboxes is None:
+        inboxes = [p2p.Inbox(s, "parameter_server") for s in range(config.num_servers)]
     losses, step = [], 0
 
-    def pull() -> None:
-        statuses = [torch.zeros(2, dtype=torch.long) for _ in mine]
-        shards = [torch.empty(sum(p.numel() for p in ps), dtype=params[0].dtype) for ps in mine]
-        works = [dist.irecv(t, src=s, tag=tag) for s in range(config.num_servers)
-                 for t, tag in ((statuses[s], _HEADER), (shards[s], _DATA))]
-        for w in works:
-            w.wait()
+    def pull(pushes: list[tuple[torch.Tensor, int]] = ()) -> None:
+        """Post ``pushes`` (gradient, server) and the receive of every server's reply as one launch;
+        wait, then load the new values (or raise if a server aborted the job)."""
+        statuses = [torch.zeros(2, dtype=torch.long, device=params[0].device) for _ in mine]
+        shards = [torch.empty(sum(p.numel() for p in ps), dtype=params[0].dtype, device=params[0].device)
+                  for ps in mine]
+        p2p.batch(pushes, [(t, s) for s in range(config.num_servers) for t in (statuses[s], shards[s])]).wait()
         for s, status in enumerate(statuses):
             if status[0].item() == ABORT:
                 raise JobAborted(f"rank {rank}: server {s} aborted the job because worker rank "
-                                   f"{status[1].item()} left")
+                                 f"{status[1].item()} left")
             _unpack(shards[s], mine[s])
 
     try:
@@ -231,19 +236,19 @@ def work(model: nn.Module, owners: list[int], config: PSConfig, steps: int,
             loss.backward()
             losses.append(loss.item())
             # --- TODO 3.8b: synchronous parameter server (worker push) ---
-            # Goal: push this step's gradients: every server gets a header saying PUSH and the
-            # step, then the gradients of the parameters it owns, packed into one message. The
-            # header and data tags keep a header from any worker apart from data.
+            # Goal: push this step's gradients: announce a PUSH of this step in every server's
+            # inbox (servers cannot receive "from any worker"), then hand `pull` the gradients
+            # of each server's parameters, packed into one message per server: it posts them
+            # with the receives of the reply, as one launch.
             raise todo("3.8b synchronous parameter server (worker push)", "guidelines.md#synchronous-updates")
             # --- end TODO 3.8b ---
-            pull()
             if on_pull is not None:
                 on_pull(step + 1, model)
     except JobAborted:
         raise  # the servers know already and have stopped listening
     except BaseException:  # our own failure, or an early exit: tell the servers, never leave them waiting
         for s in range(config.num_servers):
-            dist.send(torch.tensor([LEAVE, step]), dst=s, tag=_HEADER)
+            inboxes[s].announce(f"{LEAVE}|{step}")
         raise
     return losses
 

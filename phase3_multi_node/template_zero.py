@@ -13,7 +13,7 @@ weights) + 2 (fp16 gradients) + K = 12 (fp32 master weights, momentum, variance)
     ZeRO-2 (this, stage=2) 2Psi     2Psi / W  K Psi / W
     ZeRO-3 (fsdp.py)      2Psi / W  2Psi / W  K Psi / W
 
-Flat-buffer sharding: trainable parameters are packed (in backward order) into flat
+Flat-buffer sharding (given, distlab/flat_buckets.py): trainable parameters are packed (in backward order) into flat
 buckets padded to a multiple of W; rank r owns chunk r of every bucket, so ranks hold
 equal shares whatever the tensor shapes (torch's ZeroRedundancyOptimizer hands out
 whole tensors). The model's parameters are views into the buckets: an all-gather into
@@ -30,16 +30,18 @@ Cost per step: stage 1: all-reduce |grads| + all-gather |params| (3 Psi in a rin
 DDP); stage 2: reduce-scatter + all-gather = 2 Psi, the same as DDP's all-reduce.
 Several backwards before one ``step`` accumulate (stage 2: into the chunks, each
 backward's reduce-scatters finish when it ends). Unused parameters get zero gradients.
+
 See phase3_multi_node/guidelines_ddp_zero.md#zero-1-optimizer-state-sharded.
+
+ZeRO-Offload (given code, distlab/offload.py): with ``offload_device="cpu"`` the optimizer
+state and step live on the CPU; per step my gradient chunks go there and the updated chunks
+come back (Psi / W bytes each way per rank). See guidelines_ddp_zero.md#zero-offload-and-deepspeed-style-configs.
 
 Run: ``RUN_MODE=zero ./entrypoint.sh --stage 2`` (demos/zero.py; stage 3 is fsdp.py).
 """
 from __future__ import annotations
 
 import copy
-import itertools
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,50 +49,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distlab.comm import all_gather_single, reduce_scatter_single
+from distlab.flat_buckets import group_params, make_flat_bucket
 from distlab.meters import MemoryMeter, OverlapMeter, nbytes
+from distlab.offload import OffloadedShards
 from distlab.sync import broadcast_tensors
 from distlab.todo import todo
-
-
-@dataclass
-class FlatBucket:
-    """Parameters packed end to end in one flat buffer of W equal chunks; ``rank`` owns one."""
-
-    params: list[nn.Parameter]
-    offsets: list[int]
-    flat: torch.Tensor              # padded; the params are views into it
-    world_size: int
-    rank: int
-
-    def chunk(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's chunk of a flat tensor shaped like ``flat``."""
-        n = self.flat.numel() // self.world_size
-        return t[self.rank * n:(self.rank + 1) * n]
-
-
-def make_flat_bucket(params: list[nn.Parameter], world_size: int, rank: int) -> FlatBucket:
-    """Copy ``params`` into one zero-padded flat buffer and make them views into it."""
-    offsets = [0, *itertools.accumulate(p.numel() for p in params)]
-    padded = math.ceil(offsets[-1] / world_size) * world_size
-    flat = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
-    with torch.no_grad():
-        for p, start in zip(params, offsets):
-            flat[start:start + p.numel()].copy_(p.reshape(-1))
-            p.data = flat[start:start + p.numel()].view_as(p)
-    return FlatBucket(params, offsets[:-1], flat, world_size, rank)
-
-
-def group_params(params: list[nn.Parameter], bucket_size_mb: float) -> list[list[nn.Parameter]]:
-    """Consecutive groups of at most ``bucket_size_mb`` (a bigger tensor alone), one dtype each."""
-    cap, groups, size = bucket_size_mb * 2**20, [], 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if not groups or size + nbytes > cap or p.dtype != groups[-1][0].dtype:
-            groups.append([])
-            size = 0
-        groups[-1].append(p)
-        size += nbytes
-    return groups
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -103,6 +66,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         stage: 1 (optimizer state sharded) or 2 (+ gradients reduce-scattered, sharded).
         bucket_size_mb: size of one flat bucket (the unit of communication).
         max_in_flight: stage 2: reduce-scatters in flight at once. group: None for WORLD.
+        offload_device: None, or where the optimizer keeps its copies of my chunks, its
+            state and takes its step (``"cpu"``: ZeRO-Offload).
         **defaults: passed to ``optimizer_class`` (lr, weight_decay, ...).
 
     ``param_groups``/``state`` are the inner optimizer's (my chunks): LR schedulers work.
@@ -114,7 +79,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, optimizer_class: type[torch.optim.Optimizer], *, stage: int = 1,
                  bucket_size_mb: float = 25.0, max_in_flight: int = 2, group: dist.ProcessGroup | None = None,
-                 **defaults: Any) -> None:
+                 offload_device: str | torch.device | None = None, **defaults: Any) -> None:
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (stage 3 is FullyShardedDataParallel), got {stage}")
         if isinstance(params, nn.Module):  # like any torch optimizer
@@ -133,7 +98,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not self.buckets:
             raise ValueError("ZeroOptimizer got no trainable parameters: pass model.parameters()")
         self.shards = [s for g in inner_groups for s in g["params"]]
+        self.offload = None if offload_device is None else torch.device(offload_device)
+        self._offloaded = None if self.offload is None else OffloadedShards(self.shards, self.offload)
+        if self._offloaded is not None:  # the inner optimizer steps on copies of my chunks there
+            inner_groups = self._offloaded.param_groups(inner_groups)
         self.optimizer = optimizer_class(inner_groups, **defaults)
+        if self._offloaded is not None:
+            self._offloaded.attach(self.optimizer)
         super().__init__(self.optimizer.param_groups, self.optimizer.defaults)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state  # one source
         self._where = {p: (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
@@ -261,7 +232,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:  # this rank's chunks only; sharded_state_dict adds the layout
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # after the model's (offload: copied)
         self.optimizer.load_state_dict(state_dict)
 
     def memory_bytes(self) -> dict[str, int]:
@@ -270,6 +241,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads = sum(nbytes(t) for t in (self.grad_flats if self.stage == 1 else [s.grad for s in self.shards]))
         state = sum(nbytes(v) for s in self.optimizer.state.values()
                     for v in s.values() if torch.is_tensor(v) and v.dim() > 0)  # not the scalar step
+        if self._offloaded is not None:  # nothing on the model's device; copies, gradients, state offloaded
+            return {"params": params, "grads": grads, "optimizer": 0, "offloaded": self._offloaded.nbytes() + state}
         return {"params": params, "grads": grads, "optimizer": state}
 
     def sharded_state_dict(self) -> dict[str, Any]:

@@ -70,7 +70,7 @@ def _worker_eval_and_units(rank, world_size):
     torch.manual_seed(0)
     model = imagenet.build_model("vit_tiny", 10, 8)
     reference = copy.deepcopy(model)
-    fsdp = FSDP(model, torch.optim.SGD, lr=0.1)
+    fsdp = FSDP(model)
     # 11 images over 3 ranks in batches of 3: shards of 4, 4, 3 images, so 2, 2 and 1 batches; each
     # forward is a collective (ZeRO-3 gathers), so unequal batch counts would hang.
     g = torch.Generator().manual_seed(1)

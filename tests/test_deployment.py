@@ -13,12 +13,14 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from distlab.launch import free_port, kill_process_tree, marked_environ
+from distlab.launch import _marked, free_port, kill_process_tree, loopback_interface, marked_environ
+from test_hygiene import _listening, _loopback
 
 REPO = Path(__file__).resolve().parent.parent
 ENTRYPOINT = REPO / "entrypoint.sh"
@@ -29,11 +31,12 @@ def entrypoint_modes() -> dict[str, str]:
     return dict(re.findall(r"^\s*\[(\w+)\]=([\w.]+)\s*$", ENTRYPOINT.read_text(), flags=re.M))
 
 
-def _run_nodes(envs: list[dict], args: list[str], timeout_s: float = 240) -> list[tuple[int, str]]:
+def _run_nodes(envs: list[dict], args: list[str], timeout_s: float = 240, watch=None) -> list[tuple[int, str]]:
     """Start one entrypoint.sh per node environment; return (exit code, output) per node.
 
     Every node and all it starts (torchrun's workers run in sessions of their own) carry a
-    marker and are killed in ``finally``: nothing outlives the test.
+    marker and are killed in ``finally``: nothing outlives the test. ``watch(pids)``, if given,
+    is called with the pids of every process of the job about every 0.5 s while a node runs.
     """
     procs, marker = [], os.urandom(8).hex()
     try:
@@ -41,6 +44,10 @@ def _run_nodes(envs: list[dict], args: list[str], timeout_s: float = 240) -> lis
             procs.append(subprocess.Popen([str(ENTRYPOINT), *args], cwd=REPO, env={**marked_environ(marker), **env},
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                           start_new_session=True))
+        deadline = time.monotonic() + timeout_s
+        while watch is not None and any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            watch(set(_marked(marker)) | {p.pid for p in procs})
+            time.sleep(0.5)  # a sampling interval (a sample costs ~20-70 ms of CPU), not a wait for an event
         return [(p.wait(timeout=timeout_s), p.stdout.read()) for p in procs]
     finally:
         for p in procs:
@@ -121,19 +128,31 @@ def test_compose_file_passes_docker_compose_config():
 
 
 def test_compose_nodes_run_as_the_containers_would():
-    """Each service's environment, as compose resolves it, with loopback standing in for the network."""
+    """Each service's environment, as compose resolves it, with loopback standing in for the network.
+
+    A multi-node job binds what the user names and nothing else: while it runs, every socket
+    it listens on (rendezvous store on MASTER_ADDR, gloo on GLOO_SOCKET_IFNAME) is on loopback.
+    """
     services = _compose()["services"]
     port = str(free_port())
     envs = []
     for name in sorted(s for s in services if s.startswith("node")):
         env = {k: _resolve(v, {}) for k, v in services[name]["environment"].items()}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RDZV_ID=f"compose-{port}", OMP_NUM_THREADS="1")
-        env.pop("GLOO_SOCKET_IFNAME", None)  # eth0 is the containers' interface, not this machine's
+        env.pop("GLOO_SOCKET_IFNAME", None)  # eth0 is the containers' interface, not this machine's:
+        if loopback_interface():  # the user names this machine's loopback instead
+            env["GLOO_SOCKET_IFNAME"] = loopback_interface()
         envs.append(env)
-    results = _run_nodes(envs, ["--epochs", "1"])
+    listening: set[str] = set()
+    results = _run_nodes(envs, ["--epochs", "1"], watch=lambda pids: listening.update(_listening(pids)))
     for node, (code, output) in enumerate(results):
         assert code == 0, f"node{node} exited {code}:\n{output[-3000:]}"
     assert "test accuracy" in results[0][1]
+    assert all(map(_loopback, listening)), f"a two-node job told 127.0.0.1 listens beyond it: {sorted(listening)}"
+    # Node 0's agent listens twice (the rendezvous store on MASTER_PORT, the store it gives its workers);
+    # a third address is a worker's gloo socket: without both, the check above would prove little.
+    assert f"127.0.0.1:{port}" in listening and len(listening) > 2, \
+        f"the store on MASTER_ADDR and a worker's socket were not both seen listening: {sorted(listening)}"
 
 
 # --------------------------------------------------------------------------- SLURM and Kubernetes

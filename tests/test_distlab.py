@@ -162,6 +162,7 @@ def test_init_from_env_without_torchrun_is_rank_0_of_1():
             "e = init_from_env(); t = __import__('torch').ones(2); dist.all_reduce(t); "
             "print(e.rank, e.world_size, e.backend, t.tolist()); shutdown()")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["DISTLAB_DEVICE"] = "cpu"  # a GPU machine would pick cuda with "cpu:gloo,cuda:nccl" (tests/test_gpu.py)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[0] == "0 1 gloo [1.0, 1.0]"

@@ -6,9 +6,12 @@ from the crash it explains, never from a timeout, and it must name the rank to b
 """
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,6 +54,9 @@ def _worker_pipeline_fewer_microbatches(rank, world_size):
             dist.recv(x, rank - 1)
         if rank < world_size - 1 and m < micro_batches:
             dist.send(x, rank + 1)
+    # The step ends with a collective (a gradient all-reduce would do the same): rank 0 waits
+    # there instead of exiting, whose closed connections would race the diagnosis.
+    dist.barrier()
 
 
 def _worker_stopped_rank(rank, world_size):
@@ -72,7 +78,7 @@ def _worker_stopped_rank(rank, world_size):
     (_worker_stopped_rank, 3, ["rank 1 is stopped", "rank 1 never entered all_reduce #2 (16 B) on WORLD"]),
 ], ids=["skipped-collective", "mismatched-sizes", "mismatched-p2p", "send-without-recv", "pipeline-fewer-microbatches",
         "stopped-rank"])
-def test_the_doctor_names_the_culprit_of_each_classic_hang_within_seconds(worker, world_size, expected):
+def test_the_doctor_names_the_culprit_of_each_classic_hang_within_seconds(worker, world_size, expected, request):
     run_distributed(_worker_skips_a_collective, 1)  # the forkserver's one-time start is not what is timed
     start = time.monotonic()
     with pytest.raises(HangError) as info:
@@ -84,6 +90,33 @@ def test_the_doctor_names_the_culprit_of_each_classic_hang_within_seconds(worker
     for text in expected:
         assert text in message, message
     assert any(text in first_line for text in expected), f"the first line does not name the culprit:\n{message}"
+    # docs/troubleshooting.md quotes this case's worker and the doctor's output: both must be today's.
+    case = request.node.callspec.id
+    code, printed = _guide_cases().get(case, (None, None))
+    assert code is not None, f"docs/troubleshooting.md has no '<!-- doctor-case: {case} -->' block for this hang"
+    assert code == inspect.getsource(worker).rstrip(), f"the guide quotes another {worker.__name__}:\n{code}"
+    assert _normalise(printed) == _normalise(message), \
+        f"the guide's output for {case} is not what the doctor prints today:\n{message}"
+
+
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "troubleshooting.md"
+
+
+def _guide_cases() -> dict[str, tuple[str, str]]:
+    """case id -> (the worker's code, the doctor's output) quoted after ``<!-- doctor-case: id -->``."""
+    blocks = re.findall(r"<!-- doctor-case: ([\w-]+) -->\s*```python\n(.*?)\n```\s*```text\n(.*?)\n```",
+                        GUIDE.read_text(), flags=re.S)
+    return {case: (code, printed) for case, code, printed in blocks}
+
+
+def _normalise(text: str) -> list[str]:
+    """The doctor's output without what changes from run to run: times, the table's column padding,
+    and whether a rank left waiting on a peer that died or returned is still blocked or has raised
+    already (it raises once that peer's connection closes: a race with the diagnosis)."""
+    text = re.sub(r"\d+\.\d+ ?s\b", "<time>", text)
+    text = re.sub(r"; raised \w+;", ";", text)  # the first line says "...; raised RuntimeError; it is blocked in ..."
+    lines = [re.sub(r"^(\s*\d+\s+)(blocked|raised \w+)\b", r"\1<waiting>", line) for line in text.strip().splitlines()]
+    return [" ".join(line.split()) for line in lines]
 
 
 def _rec(i, op, seq, n=16, peer=None, done=False, asynch=False, t0=100.0):

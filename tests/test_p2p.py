@@ -56,6 +56,25 @@ def _worker_layer(rank, world_size):
             box.finish()
     expected = 5 * 4 * (1 + (rank ^ 1 < world_size) + 3 * (rank < 2 and world_size >= 2))
     assert ledger.sent_bytes() == expected, f"rank {rank}: sent {ledger.sent_bytes()} bytes, expected {expected}"
+    # Inbox: the others announce, then send; rank 0 receives each message from the rank that announced it.
+    inbox = p2p.Inbox(0, "layer")
+    if rank == 0:
+        seen: dict[int, list[int]] = {}
+        for _ in range(2 * (world_size - 1)):
+            sender, note = inbox.next()
+            got = p2p.recv(torch.empty(5), sender)
+            assert torch.equal(got, _seeded(sender, 30 + int(note))), f"message {note} of rank {sender} wrong"
+            seen.setdefault(sender, []).append(int(note))
+        assert seen == {r: [0, 1] for r in range(1, world_size)}, f"announcements seen: {seen}"
+    else:
+        for k in range(2):
+            inbox.announce(str(k))
+            p2p.send(_seeded(rank, 30 + k), 0)
+    again = p2p.Inbox(0, "layer")  # the same name opened again: a fresh, empty queue
+    if rank == world_size - 1:
+        again.announce("again")
+    if rank == 0:
+        assert again.next() == (world_size - 1, "again"), "a reopened inbox must start empty"
     return True
 
 
@@ -124,3 +143,54 @@ def test_strict_mode_catches_nccl_hazard_that_gloo_runs(hazard):
     with pytest.raises(Exception, match=HAZARDS[hazard]) as info:
         run_distributed(_worker_hazard, 2, hazard, backend="gloo", timeout_s=30)
     assert "StrictP2PError" in str(info.value), str(info.value)
+
+
+# --------------------------------------------------------------------------- no tags, no any-source (static)
+_P2P_CALLS = {"send", "recv", "isend", "irecv", "P2POp"}
+_TAG_POSITION = {"send": 3, "recv": 3, "isend": 3, "irecv": 3, "P2POp": 4}  # dist.send(tensor, dst, group, tag)
+_SOURCE_KEYWORDS = {"src", "group_src", "frm", "peer", "group_peer"}
+
+
+def _p2p_violations(path) -> tuple[list[str], int]:
+    """``tag`` arguments and receives that name no source in one file; and how many p2p calls it has."""
+    import ast
+
+    problems, calls = [], 0
+    text = path.read_text()
+    if not any(name in text for name in ("send", "recv", "P2POp")):
+        return problems, calls  # parsing is the cost: skip files that cannot hold a p2p call
+    for node in ast.walk(ast.parse(text, str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+        if name not in _P2P_CALLS or not (node.args or node.keywords):  # conn.recv(): a pipe, not a tensor
+            continue
+        calls += 1
+        where = f"{path}:{node.lineno}: {ast.unparse(node)[:90]}"
+        keywords = {k.arg for k in node.keywords}
+        if "tag" in keywords or len(node.args) > _TAG_POSITION[name]:
+            problems.append(f"{where}: a tag (NCCL has none: messages match by order)")
+        receives = name in ("recv", "irecv") or (
+            name == "P2POp" and node.args and isinstance(node.args[0], (ast.Attribute, ast.Name))
+            and (getattr(node.args[0], "attr", None) or getattr(node.args[0], "id", None)) == "irecv")
+        source_at = 2 if name == "P2POp" else 1  # P2POp(op, tensor, peer, ...); recv(tensor, src, ...)
+        if receives and len(node.args) <= source_at and not keywords & _SOURCE_KEYWORDS:
+            problems.append(f"{where}: a receive from any source (NCCL has none: name the sender)")
+    return problems, calls
+
+
+def test_no_tags_and_no_any_source_receives_in_lesson_code():
+    """Every p2p call in solutions/, the templates and distlab/ names its peer and carries no tag."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    files = sorted([*repo.glob("solutions/**/*.py"), *repo.glob("phase*/template_*.py"), *repo.glob("distlab/**/*.py")])
+    problems, calls = [], 0
+    for path in files:
+        found, n = _p2p_violations(path)
+        problems += found
+        calls += n
+    # The walk must see the code it guards (the course sends with p2p.send/recv/batch and P2POp).
+    assert calls >= 20, f"only {calls} p2p calls found in {len(files)} files: is the walk looking in the right place?"
+    assert not problems, "NCCL-unsafe point-to-point calls:\n" + "\n".join(problems)

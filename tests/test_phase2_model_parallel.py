@@ -668,3 +668,92 @@ def _worker_interleaved(rank, world_size):
 @pytest.mark.parametrize("stages", WORLD_SIZES)
 def test_interleaved_1f1b_matches_single_process(stages):
     run_distributed(_worker_interleaved, stages)
+
+
+# --------------------------------------------------------------------------- NCCL's stream order, replayed
+class _Posted:
+    def wait(self) -> None:
+        pass
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _NoStep:
+    """An optimizer that leaves the weights alone (torch.optim's first use imports torch._dynamo: seconds)."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def step(self) -> None:
+        pass
+
+
+def _launches(pp, schedule: str, p: int, v: int, m: int, monkeypatch) -> dict[int, list[list[tuple[str, int]]]]:
+    """Each rank's launches (a list of ("send" | "recv", peer) per grouped launch) in one step,
+    recorded in this one process with the messages stubbed out: the order a schedule
+    communicates in does not depend on the values it receives."""
+    launches: dict[int, list] = {}
+    # The same gradients by a scalar's backward: with a gradient given, autograd imports sympy (seconds).
+    monkeypatch.setattr(torch.autograd, "backward", lambda out, grad=None, real=torch.autograd.backward:
+                        real(out if grad is None else (out * grad).sum()))
+    for rank in range(p):
+        log = launches[rank] = []
+
+        def batch(sends=(), recvs=(), group=None, log=log):
+            ops = [("send", peer) for t, peer in sends if t.numel()] + [("recv", peer) for t, peer in recvs if t.numel()]
+            log.extend([ops] if ops else [])
+            return p2p.P2PWork([_Posted() for _ in ops])
+
+        monkeypatch.setattr(p2p, "batch", batch)
+        monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: p)
+        pieces = _pipeline_stages(p * v)
+        chunks = [pieces[c * p + rank] for c in range(v)]
+        stage = pp.PipelineStage(chunks if v > 1 else chunks[0], (MB_SIZE, HIDDEN), dtype=torch.float64)
+        x, y = _randn(m * MB_SIZE, IN_FEATURES, seed=0), torch.zeros(m * MB_SIZE, dtype=torch.long)
+        pp.train_step(stage, _NoStep(), schedule, x if rank == 0 else None, y if rank == p - 1 else None,
+                      F.cross_entropy, m)
+    return launches
+
+
+def _stuck_under_nccl(launches: dict[int, list]) -> dict[int, list]:
+    """Replay the launches as NCCL may run them: a rank's launches one after the other (one
+    stream), a send and its receive done once the launches holding both have started (a send
+    may wait for its receive). Returns each stuck rank's blocked launch; {} when all finish."""
+    where, count = {}, {}
+    for rank, ops_per_launch in launches.items():
+        for i, ops in enumerate(ops_per_launch):
+            for kind, peer in ops:
+                pair = (rank, peer) if kind == "send" else (peer, rank)
+                k = count[kind, pair] = count.get((kind, pair), -1) + 1
+                where[kind, pair, k] = (rank, i)  # the k-th message of this pair, this side
+    needs: dict[tuple[int, int], list] = {}  # (rank, launch) -> the launches holding the other ends
+    for (kind, pair, k), at in where.items():
+        other = ("recv" if kind == "send" else "send", pair, k)
+        assert other in where, f"{kind} #{k} between ranks {pair} has no counterpart: they do not pair up by order"
+        needs.setdefault(at, []).append(where[other])
+    started = dict.fromkeys(launches, 0)  # index of each rank's running launch
+    moved = True
+    while moved:
+        moved = False
+        for rank, ops_per_launch in launches.items():
+            i = started[rank]
+            if i < len(ops_per_launch) and all(started[r] >= j for r, j in needs[rank, i]):
+                started[rank] += 1
+                moved = True
+    return {rank: ops[started[rank]] for rank, ops in launches.items() if started[rank] < len(ops)}
+
+
+@pytest.mark.parametrize("schedule,chunks", [
+    pytest.param("gpipe", 1, marks=pytest.mark.exercise("2.12 GPipe schedule")),
+    pytest.param("1f1b", 1, marks=pytest.mark.exercise("2.13 1F1B schedule")),
+    pytest.param("interleaved", 2, marks=pytest.mark.exercise("2.14 interleaved 1F1B"))])
+def test_pipeline_schedules_cannot_deadlock_under_nccl_stream_order(schedule, chunks, monkeypatch):
+    """Stricter than strict mode (which checks pairs of ranks): a cycle through the whole ring counts too."""
+    pp = load(PHASE, "pipeline")
+    for p in (2, 3):  # p = 3: a cycle through three ranks, which no check of pairs sees
+        for m in ([p + 1, 2 * p] if chunks == 1 else [2 * p]):  # m > p: the steady state runs
+            stuck = _stuck_under_nccl(_launches(pp, schedule, p, chunks, m, monkeypatch))
+            assert not stuck, (f"{schedule}, p={p}, v={chunks}, m={m}: on NCCL these ranks wait forever in the "
+                               f"launch shown (each waits for a launch queued behind another): {stuck}")

@@ -392,6 +392,31 @@ def test_async_parameter_server_converges_on_digits_like_single_process():
     run_distributed(_worker_ps_digits, 3, 2)
 
 
+def _ps_demo_results(rank, world_size, steps):
+    from demos import parameter_server as demo
+    from distlab.data import synthetic_classification
+
+    # The demo's shapes (64 features, 10 classes) without importing scikit-learn in every rank.
+    data = synthetic_classification(128, 64, 10, seed=0), synthetic_classification(64, 64, 10, seed=1)
+    owners = [0] * len(list(demo._model().parameters()))  # one server: 3.9 graded without 3.7's sharding
+    return demo._train(demo.build_parser().parse_args(["--steps", str(steps)]), world_size, data=data, owners=owners)
+
+
+@pytest.mark.exercise("3.9 asynchronous parameter server (staleness bound)")
+def test_parameter_server_demo_async_differs_from_sync_at_two_processes():
+    """RUN_MODE=parameter_server at the default NPROC=2 (1 server x 1 worker) runs a local world instead."""
+    from demos import parameter_server as demo
+
+    args = demo.build_parser().parse_args([])
+    local = demo.local_world_size(2, args)
+    assert local == 3, f"NPROC=2: the demo must start 1 server + 2 workers locally, got a world of {local}"
+    sync, stale = run_distributed(_ps_demo_results, local, 4)[0]
+    # The baseline is the sync row: with two workers, async hands a worker parameters that
+    # lack the other's update of the same step, so its losses differ; sync never runs ahead.
+    assert sync["max_lead"] == 0 and stale["max_lead"] >= 1, f"leads granted: sync {sync}, async {stale}"
+    assert sync["final_loss"] != stale["final_loss"], f"async equals sync at NPROC=2: {sync} vs {stale}"
+
+
 class _Crash(RuntimeError):
     pass
 
@@ -447,7 +472,8 @@ def test_assign_shards_balances_like_the_optimum():
     import itertools
 
     ps = load(PHASE, "parameter_server")
-    cases = [[5, 4, 3, 3, 3], [7, 7, 6, 6, 5, 5, 4], [1, 1], [9], [p.numel() for p in _ps_model().parameters()]]
+    cases = [[5, 4, 3, 3, 3], [7, 7, 6, 6, 5, 5, 4], [1, 1], [9], [p.numel() for p in _ps_model().parameters()],
+             [1, 1, 1, 1, 1, 1, 6]]  # the big tensor last: greedy in parameter order ends at 9 vs 6 (1.5x)
     for sizes in cases:  # small enough to brute-force (servers ** tensors <= 3 ** 7)
         for servers in range(1, min(3, len(sizes)) + 1):
             owners = ps.assign_shards(sizes, servers)

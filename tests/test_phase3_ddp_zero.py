@@ -113,6 +113,8 @@ def _worker_ddp(rank, world_size, impl, kind, n_buckets_list, find_unused=False)
         builtin = nn.parallel.DistributedDataParallel(_make(kind, seed=0), bucket_cap_mb=max(bucket_mb, 1e-6),
                                                       find_unused_parameters=find_unused)
         model = _make(kind, seed=rank)  # different on purpose: the wrapper's broadcast must fix it
+        for m, value in ((baseline, 0.0), (model, float(rank))):  # buffers too (running statistics, ...)
+            m.register_buffer("calibration", torch.full((3,), value, dtype=torch.float64))
         ddp = _wrap(impl, model, bucket_mb, find_unused)
         assert_models_close(model, baseline, rank=rank, step="after construction", rtol=0, atol=0)
         base_opt, opt, builtin_opt = _adamw(baseline), _adamw(model), _adamw(builtin.module)
@@ -246,8 +248,8 @@ def test_ddp_bucketed_no_sync_accumulation_matches_single_process():
 # --------------------------------------------------------------------------- 3.15-3.19 ZeRO
 def _zero(stage: int, model: nn.Module, **kw):
     args = dict(lr=0.01, weight_decay=0.1)
-    if stage == 3:
-        return load(PHASE, "fsdp").FullyShardedDataParallel(model, torch.optim.AdamW, **kw, **args)
+    if stage == 3:  # the wrapper only: the caller builds a torch optimizer on its parameters (the shards)
+        return load(PHASE, "fsdp").FullyShardedDataParallel(model, **kw)
     # 400 B buckets: several buckets, so the per-bucket bookkeeping is exercised.
     return load(PHASE, "zero").ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage,
                                              bucket_size_mb=400 / 2**20, **kw, **args)
@@ -260,15 +262,16 @@ def _padded(zo) -> int:
 
 def _gathered(fsdp) -> dict[str, torch.Tensor]:
     """The test's own all-gather of every unit's chunks (independent of 3.19's full_state_dict)."""
-    state = {n: t for n, t in fsdp.module.state_dict().items()}
+    shards = {u.shard for u in fsdp.units}  # registered parameters now, but no single-process name has them
+    state = {n: t for n, t in fsdp.module.state_dict(keep_vars=True).items() if t not in shards}
     for u in fsdp.units:
         flat = torch.empty(u.full.numel(), dtype=u.shard.dtype)
         all_gather_single(flat, u.shard.detach())
         for p, name, start in zip(u.params, u.names, u.offsets):
             state[name] = flat[start:start + p.numel()].view(p.shape)
-    for alias, p in fsdp.module.named_parameters(remove_duplicate=False):  # tied weights: every name
-        state[alias] = next(state[n] for n, q in fsdp.module.named_parameters() if q is p)
-    return state
+    for alias, name in fsdp.aliases.items():  # tied weights: every name
+        state[alias] = state[name]
+    return {n: t.detach() for n, t in state.items()}
 
 
 def _perturbed(kind: str, rank: int) -> nn.Module:
@@ -285,7 +288,9 @@ def _check_memory(zo, model: nn.Module, stage: int, rank: int, world_size: int, 
     """At rest: params/grads/optimizer state are the textbook fractions of the padded Psi."""
     # Independent of the wrapper's own accounting: no full gradient is kept (stage 2, 3),
     # and no full parameter keeps memory behind it (stage 3).
-    for name, p in model.named_parameters():
+    # Stage 3: the model's parameters are the flat shards now; the originals are the units' views.
+    originals = [(n, p) for u in zo.units for n, p in zip(u.names, u.params)] if stage == 3 else None
+    for name, p in originals or model.named_parameters():
         if p.requires_grad and stage >= 2:
             assert p.grad is None, f"{what}: {name} still holds a full gradient at rest"
         if p.requires_grad and stage == 3:
@@ -327,6 +332,7 @@ def _check_zero(rank, world_size, stage, kind):
     model = _make(kind, rank) if stage == 3 else _perturbed(kind, rank)  # construction must broadcast rank 0's
     zo = _zero(stage, model)
     forward = zo if stage == 3 else model
+    opt = zo if stage < 3 else _adamw(zo)  # ZeRO-1/2 is an optimizer; ZeRO-3 trains with torch's, on its shards
     builtin = builtin_opt = None
     if stage == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -339,11 +345,11 @@ def _check_zero(rank, world_size, stage, kind):
         x, y = _batch(kind, step)
         xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
         _baseline_step(baseline, base_opt, kind, x, y, world_size)
-        zo.zero_grad()
+        opt.zero_grad()
         ledger = CommLedger()
         with ledger:
             _loss(forward(xs), ys).backward()
-            zo.step()
+            opt.step()
         if stage == 3:
             full = _gathered(zo)
             for name, expected in baseline.state_dict().items():
@@ -399,6 +405,7 @@ def _worker_zero3_gpt(rank, world_size):
     baseline = seeded(TinyGPT, 0, cfg).double()
     base_opt = _adamw(baseline)
     fsdp = _zero(3, seeded(TinyGPT, rank, cfg).double())
+    opt = _adamw(fsdp)
     for step in range(STEPS):
         g = torch.Generator().manual_seed(step)
         x = torch.randint(16, (GLOBAL_BATCH, 8), generator=g)
@@ -406,9 +413,9 @@ def _worker_zero3_gpt(rank, world_size):
         base_opt.zero_grad()
         baseline(x, y)[1].backward()
         base_opt.step()
-        fsdp.zero_grad()
+        opt.zero_grad()
         fsdp(shard(x, rank, world_size), shard(y, rank, world_size))[1].backward()
-        fsdp.step()
+        opt.step()
         full = _gathered(fsdp)
         for name, expected in baseline.state_dict().items():
             assert_tensors_close(full[name], expected, f"rank {rank}, ZeRO-3 TinyGPT, step {step}, {name}", **TOL)
@@ -419,36 +426,70 @@ def test_zero3_tinygpt_units_match_single_process():
     run_distributed(_worker_zero3_gpt, 2)
 
 
+def _bf16_model(kind: str, seed: int) -> nn.Module:
+    if kind == "mlp":
+        return seeded(ToyMLP, seed, 6, 10, 3)
+    if kind == "tied_frozen":
+        return seeded(TiedFrozenModel, seed, 11, 6)
+    from distlab.models import GPTConfig, TinyGPT
+    return seeded(TinyGPT, seed, GPTConfig(vocab_size=11, block_size=5, n_layer=2, n_head=2, n_embd=8))
+
+
+def _bf16_twin(model: nn.Module, whole: list[str]) -> nn.Module:
+    """Single process, what compute_dtype=bf16 computes: bf16 parameters, except the modules in
+    ``whole`` (frozen or replicated): fp32, inputs cast up and outputs back (as FSDP1 does for norms)."""
+    low = copy.deepcopy(model)
+    keep = {id(p) for n in whole for p in low.get_submodule(n).parameters()}
+    for p in low.parameters():
+        if id(p) not in keep:
+            p.data = p.data.bfloat16()
+    for n in whole:
+        low.get_submodule(n).register_forward_pre_hook(lambda m, a: tuple(t.float() for t in a))
+        low.get_submodule(n).register_forward_hook(lambda m, a, out: out.bfloat16())
+    return low
+
+
 def _worker_zero3_bf16(rank, world_size):
-    baseline = seeded(ToyMLP, 0, 6, 10, 3)  # fp32 master weights
-    base_opt = _adamw(baseline)
-    fsdp = _zero(3, seeded(ToyMLP, rank, 6, 10, 3), compute_dtype=torch.bfloat16)
-    for step in range(STEPS):
-        x, y = _batch("mlp", step)
-        x = x.float()
-        # Baseline: each shard's forward/backward in bf16, gradients summed in fp32, / W.
-        base_opt.zero_grad()
-        grads = [torch.zeros_like(p) for p in baseline.parameters()]
-        for r in range(world_size):
-            low = copy.deepcopy(baseline).to(torch.bfloat16)
-            _loss(low(shard(x, r, world_size).bfloat16()).float(), shard(y, r, world_size)).backward()
-            for g, p in zip(grads, low.parameters()):
-                g += p.grad.float()
-        for g, p in zip(grads, baseline.parameters()):
-            p.grad = g / world_size
-        base_opt.step()
-        fsdp.zero_grad()
-        _loss(fsdp(shard(x, rank, world_size)).float(), shard(y, rank, world_size)).backward()
-        fsdp.step()
-        full = _gathered(fsdp)
-        assert all(p.dtype == torch.bfloat16 for p in fsdp.module.parameters()), "gathered params must be bf16"
-        for name, expected in baseline.state_dict().items():
-            # Identical bf16 shard computations; the fp32 sum over ranks may be reordered (~1e-7),
-            # which AdamW's normalised update turns into ~1e-6 at most.
-            assert_tensors_close(full[name], expected, f"rank {rank}, ZeRO-3 bf16, step {step}, {name}",
-                                 rtol=1e-5, atol=1e-5)
-        mem = fsdp.memory_bytes()
-        assert mem["grads"] == mem["params"], f"rank {rank}: gradient chunks must stay fp32 like the master chunks"
+    # + a frozen layer and a tied embedding; + replicated norms (at W=2 only: suite time)
+    for kind in ("mlp", "tied_frozen", "gpt") if world_size == 2 else ("mlp",):
+        baseline = _bf16_model(kind, 0)  # fp32 master weights
+        base_opt = _adamw(baseline)
+        norms = [n for n, m in baseline.named_modules() if isinstance(m, nn.LayerNorm)]
+        whole = {"mlp": [], "tied_frozen": ["frozen"], "gpt": norms}[kind]
+        fsdp = _zero(3, _bf16_model(kind, rank), compute_dtype=torch.bfloat16, replicate=norms)
+        opt = _adamw(fsdp)
+        for step in range(STEPS if kind == "mlp" else 2):
+            what = f"rank {rank}, ZeRO-3 bf16, {kind}, step {step}"
+            x, y = _batch("mlp" if kind == "mlp" else "tied_frozen", step)
+            x = x.float() if kind == "mlp" else x
+            # Baseline: each shard's forward/backward in bf16 (twin), gradients summed in fp32, / W.
+            base_opt.zero_grad()
+            grads = {n: torch.zeros_like(p) for n, p in baseline.named_parameters() if p.requires_grad}
+            for r in range(world_size):
+                low, xr = _bf16_twin(baseline, whole), shard(x, r, world_size)
+                _loss(low(xr.bfloat16() if xr.is_floating_point() else xr).float(), shard(y, r, world_size)).backward()
+                for n, p in low.named_parameters():
+                    if p.requires_grad:
+                        grads[n] += p.grad.float()
+            for n, p in baseline.named_parameters():
+                if p.requires_grad:
+                    p.grad = grads[n] / world_size
+            base_opt.step()
+            opt.zero_grad()
+            _loss(fsdp(shard(x, rank, world_size)).float(), shard(y, rank, world_size)).backward()
+            assert all(p.grad.dtype == torch.float32 for p in fsdp.replicated), f"{what}: replicated grads not fp32"
+            opt.step()
+            full = _gathered(fsdp)
+            assert all(p.dtype == torch.bfloat16 for u in fsdp.units for p in u.params), \
+                f"{what}: gathered params must be bf16"
+            assert all(u.shard.dtype == u.shard.grad.dtype == torch.float32 for u in fsdp.units), \
+                f"{what}: the flat shards (the optimizer's parameters) and their gradients must stay fp32"
+            for name, expected in baseline.state_dict().items():
+                # Identical bf16 shard computations; the fp32 sum over ranks may be reordered (~1e-7),
+                # which AdamW's normalised update turns into ~1e-6 at most.
+                assert_tensors_close(full[name], expected, f"{what}, {name}", rtol=1e-5, atol=1e-5)
+            mem = fsdp.memory_bytes()
+            assert mem["grads"] == mem["params"], f"{what}: gradients must stay fp32 like the master chunks"
 
 
 @pytest.mark.exercise("3.17-3.18 ZeRO-3")
@@ -457,28 +498,104 @@ def test_zero3_bf16_compute_matches_single_process_mixed_precision(world_size):
     run_distributed(_worker_zero3_bf16, world_size)
 
 
+def _check_zero3_grads(fsdp, baseline: nn.Module, what: str) -> None:
+    """The documented .grad conventions, against the single process's (mean) gradients."""
+    for u in fsdp.units:  # flat_shard.grad: my chunk of the unit's flattened mean gradient, zero-padded
+        flat = torch.zeros(u.full.numel(), dtype=torch.float64)
+        for name, start in zip(u.names, u.offsets):
+            g = baseline.get_parameter(name).grad.reshape(-1)
+            flat[start:start + g.numel()] = g
+        got = u.shard.grad
+        assert got.shape == u.shard.shape == (u.full.numel() // fsdp.world_size,) and got.dtype == u.shard.dtype, \
+            f"{what}: gradient of the flat shard of {u.names} is {tuple(got.shape)} {got.dtype}"
+        assert_tensors_close(got, flat.chunk(fsdp.world_size)[fsdp.rank], f"{what}, grad chunk of {u.names}", **TOL)
+    shards = {u.shard for u in fsdp.units}
+    for name, p in fsdp.module.named_parameters():  # kept whole: the full mean gradient, or None if frozen
+        if p in shards:
+            continue
+        expected = baseline.get_parameter(name).grad
+        if expected is None:
+            assert p.grad is None, f"{what}: frozen {name} got a gradient"
+        else:
+            assert_tensors_close(p.grad, expected, f"{what}, replicated {name}.grad", **TOL)
+
+
+def _worker_zero3_torch_optimizers(rank, world_size):
+    """torch.optim.SGD / AdamW and an LR scheduler built outside the wrapper, on fsdp.parameters()."""
+    from distlab.models import GPTConfig, TinyGPT
+    cfg = GPTConfig(vocab_size=11, block_size=5, n_layer=2, n_head=2, n_embd=8)
+    cases = [  # frozen + tied, SGD with momentum, zero_grad(set_to_none=False); TinyGPT, AdamW, norms replicated
+        ("tied_frozen", lambda s: _make("tied_frozen", s), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), False,
+         {"flat_shard", "mix.flat_shard", "frozen.weight", "frozen.bias"}),
+        ("gpt", lambda s: seeded(TinyGPT, s, cfg).double(), lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+         True, {"flat_shard", "wpe.flat_shard", "blocks.0.flat_shard", "blocks.1.flat_shard"})]
+    for kind, make, optim, set_to_none, shard_names in cases:
+        baseline = make(0)
+        base_opt = optim([p for p in baseline.parameters() if p.requires_grad])
+        norms = [n for n, m in baseline.named_modules() if isinstance(m, nn.LayerNorm)]
+        model = make(rank)
+        fsdp = load(PHASE, "fsdp").FullyShardedDataParallel(model, replicate=norms)
+        names = {n for n, _ in model.named_parameters()}
+        assert names == shard_names | {f"{n}.{w}" for n in norms for w in ("weight", "bias")}, \
+            f"rank {rank}, {kind}: the wrapped model's parameters are {sorted(names)}"
+        opt = optim(fsdp.parameters())
+        scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (1 + s)) for o in (base_opt, opt)]
+        for step in range(2):  # 2 steps: optimizer state and a changed learning rate are in use
+            what = f"rank {rank}, ZeRO-3 + torch {type(opt).__name__}, {kind}, step {step}"
+            x, y = _batch("tied_frozen", step)
+            _baseline_step(baseline, base_opt, kind, x, y, world_size, micro_batches=2)
+            opt.zero_grad(set_to_none=set_to_none)
+            xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+            with CommLedger() as ledger:
+                for m in range(2):  # two backwards before the step: the gradients accumulate
+                    (_loss(fsdp(shard(xs, m, 2)), shard(ys, m, 2)) / 2).backward()
+            _check_zero3_grads(fsdp, baseline, what)
+            opt.step()
+            for sch in scheds:
+                sch.step()
+            full = _gathered(fsdp)
+            for name, expected in baseline.state_dict().items():
+                assert_tensors_close(full[name], expected, f"{what}, gathered {name}", **TOL)
+            # Replicated: each gradient all-reduced once per backward (two backwards), nothing else.
+            nbytes = sum(p.numel() for p in fsdp.replicated) * 8
+            ar = ledger.summary().get("all_reduce", {"calls": 0, "bytes": 0})
+            assert ar == {"calls": 2 * len(fsdp.replicated), "bytes": 2 * nbytes}, f"{what}: all-reduces {ar}"
+
+
+@pytest.mark.exercise("3.17-3.18 ZeRO-3")
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_zero3_shards_are_parameters_and_torch_optimizers_match_single_process(world_size):
+    run_distributed(_worker_zero3_torch_optimizers, world_size)
+
+
 def _worker_zero3_checkpoint(rank, world_size):
     fsdp = _zero(3, _make("tied_frozen", 0))
+    opt = _adamw(fsdp)
     for step in range(2):
         x, y = _batch("tied_frozen", step)
-        fsdp.zero_grad()
+        opt.zero_grad()
         _loss(fsdp(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
-        fsdp.step()
+        opt.step()
     st = load(PHASE, "fsdp_state")
-    full, sharded = st.full_state_dict(fsdp), st.sharded_state_dict(fsdp)
+    full, sharded = st.full_state_dict(fsdp), st.sharded_state_dict(fsdp, opt)
     assert full.keys() == _make("tied_frozen", 0).state_dict().keys(), f"rank {rank}: full state dict names"
+    assert sharded["unsharded"].keys() == {"frozen.weight", "frozen.bias"}, f"rank {rank}: {sharded['unsharded']}"
     for name, t in _gathered(fsdp).items():  # the test's own gather: same chunks, no arithmetic
         assert torch.equal(full[name], t), f"rank {rank}: full_state_dict()[{name!r}] is not the gathered tensor"
     restored = _zero(3, _make("tied_frozen", 7))  # other weights: the loads must overwrite them
+    restored_opt = _adamw(restored)
+    assert st.sharded_state_dict(fsdp)["optimizer"] is None, f"rank {rank}: no optimizer given: weights only"
+    with pytest.raises(ValueError, match="has optimizer state but no optimizer was given"):
+        st.load_sharded_state_dict(restored, sharded)  # its optimizer's state would be silently dropped
     st.load_full_state_dict(restored, full)
-    st.load_sharded_state_dict(restored, sharded)
+    st.load_sharded_state_dict(restored, sharded, restored_opt)
     for name, t in st.full_state_dict(restored).items():
         assert torch.equal(t, full[name]), f"rank {rank}: {name} differs after load_full_state_dict"
-    for model in (fsdp, restored):
+    for model, o in ((fsdp, opt), (restored, restored_opt)):
         x, y = _batch("tied_frozen", 5)
-        model.zero_grad()
+        o.zero_grad()
         _loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
-        model.step()
+        o.step()
     after, expected = st.full_state_dict(restored), st.full_state_dict(fsdp)
     for name in expected:
         # Same chunks, same optimizer state, same data: bitwise the same step.
@@ -518,25 +635,26 @@ def _worker_peaks(rank, world_size):
         base_opt = torch.optim.AdamW(groups(baseline) if stage < 3 else baseline.parameters(), lr=0.01,
                                      weight_decay=0.1)
         model = seeded(Deep, 0).double()
-        if stage == 3:
-            zo = load(PHASE, "fsdp").FullyShardedDataParallel(model, torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+        if stage == 3:  # torch's AdamW on the wrapper's parameters (its shards)
+            zo = load(PHASE, "fsdp").FullyShardedDataParallel(model)
+            opt = torch.optim.AdamW(zo.parameters(), lr=0.01, weight_decay=0.1)
         else:  # parameter groups, as for any torch optimizer (stage 3's are per unit: one group)
             zo = load(PHASE, "zero").ZeroOptimizer(groups(model), torch.optim.AdamW, stage=stage,
                                                    bucket_size_mb=400 / 2**20, lr=0.01, weight_decay=0.1)
+            opt = zo
         # Stage 1/2: the wrapper is a torch Optimizer, so a scheduler drives it like the baseline's.
-        scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (1 + s))
-                  for o in (base_opt, zo if stage < 3 else zo.optimizer)]
+        scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (1 + s)) for o in (base_opt, opt)]
         forward = zo if stage == 3 else model
         for step, (x, y) in enumerate(data):
             _baseline_step(baseline, base_opt, "deep", x, y, world_size, micro_batches=micro)
             if stage == 1:  # the model's own zero_grad drops the flat views: ZeRO-1 must survive it
                 model.zero_grad(set_to_none=True)
             else:
-                zo.zero_grad(set_to_none=True)
+                opt.zero_grad(set_to_none=True)
             xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
             for m in range(micro):
                 (_loss(forward(shard(xs, m, micro)), shard(ys, m, micro)) / micro).backward()
-            zo.step()
+            opt.step()
             for sch in scheds:
                 sch.step()
             if stage == 3:
@@ -575,12 +693,32 @@ def _worker_bad_config(rank, world_size):
         zero(_make("mlp", 0), torch.optim.AdamW)
     with pytest.raises(ValueError, match="no trainable parameters"):
         zero(_make("mlp", 0).requires_grad_(False).parameters(), torch.optim.AdamW)
+    fsdp = load(PHASE, "fsdp").FullyShardedDataParallel
     model = _make("mlp", 0)
     with pytest.raises(ValueError, match="the root is always a unit"):
-        load(PHASE, "fsdp").FullyShardedDataParallel(model, torch.optim.AdamW, units=[model])
+        fsdp(model, units=[model])
     seq = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2)).double()
     with pytest.raises(ValueError, match="contains 1 other unit"):
-        load(PHASE, "fsdp").FullyShardedDataParallel(seq, torch.optim.AdamW, units=[seq[0], seq[0][0]])
+        fsdp(seq, units=[seq[0], seq[0][0]])
+    with pytest.raises(ValueError, match=r"replicate: .*\['fc9'\]"):
+        fsdp(_make("mlp", 0), replicate=["fc1", "fc9"])
+    with pytest.raises(ValueError, match="compute_dtype: fc1 holds 'fc1.bias'.* and sharded 'fc1.weight'"):
+        fsdp(_make("mlp", 0), replicate=["fc1.bias"], compute_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"optimizer arguments \['lr'\] without optimizer_cls"):
+        fsdp(_make("mlp", 0), lr=0.1)
+    # An optimizer built on the parameters before wrapping would train nothing: its first step raises.
+    model = _make("tied_frozen", 0)
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)
+    fsdp(model)
+    with pytest.raises(RuntimeError, match=r"holds 'embed.weight' \(11, 6\), which FullyShardedDataParallel replaced "
+                                           r"by 'flat_shard'.*on fsdp.parameters\(\)"):
+        stale.step()
+    torch.optim.SGD(_make("mlp", 0).parameters(), lr=0.1).step()  # any other optimizer is left alone
+    convenience = fsdp(_make("mlp", 0), torch.optim.SGD, lr=0.1)  # optimizer_cls: torch's SGD on the shards
+    mine, theirs = list(convenience.parameters()), convenience.optimizer.param_groups[0]["params"]
+    assert len(mine) == len(theirs) and all(a is b for a, b in zip(mine, theirs)), "fsdp.optimizer: not on the shards"
+    with pytest.raises(RuntimeError, match="built without optimizer_cls"):
+        fsdp(_make("mlp", 0)).step()
 
 
 @pytest.mark.exercise("3.15-3.19 ZeRO configuration")

@@ -13,9 +13,9 @@ from __future__ import annotations
 import io
 import json
 import os
-import pickle
 import random
 import re
+import shutil
 import subprocess
 import time
 import sys
@@ -187,11 +187,13 @@ def test_load_file_refuses_truncated_corrupted_and_unsafe_files(tmp_path):
         assert str(bad) in str(info.value), f"the error must name the file: {info.value}"
     with pytest.raises(ckpt.CheckpointError, match="missing"):
         ckpt.load_file(tmp_path / "nope.pt")
-    # weights_only: a valid, checksummed file holding an arbitrary object is refused.
+    # weights_only: a valid, checksummed file holding an arbitrary object (a checksum is no signature:
+    # anyone can recompute it) is refused when unpickled, and the refusal names the file.
     unsafe = tmp_path / "unsafe.pt"
     load(PHASE, "checkpoint", impl="solutions").save_file({"obj": _NotATensor()}, unsafe)
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(ckpt.CheckpointError, match="weights_only") as info:
         ckpt.load_file(unsafe)
+    assert str(unsafe) in str(info.value), f"the error must name the file: {info.value}"
 
 
 # --------------------------------------------------------------------------- 4.3 RNG
@@ -272,6 +274,24 @@ def _worker_manager(rank, world_size, directory):
         found = manager.latest()
     assert found is None, (f"rank {rank}: step 4 lacks rank{world_size - 1}.pt, so no checkpoint is complete; "
                            f"latest() returned {found}")
+    if rank == 0:  # a third bad directory newer than anything the run will save: a copy of bad step 8
+        shutil.copytree(Path(directory) / "step_00000008", Path(directory) / "step_00000012")
+    dist.barrier()
+    # The run starts over and saves steps 5..11 with 4 bad directories around (4, 6, 8, 12). Bad ones
+    # never count towards `keep`: each new step survives its own save, and only good ones are pruned.
+    for step in (5, 7, 9, 11):
+        manager.save(step, {"step": step, "rank": rank, "w": torch.full((3,), float(step * 10 + rank))})
+        assert manager.step_dir(step).is_dir(), \
+            f"rank {rank}: saving step {step} deleted it (bad newer directories were counted as kept)"
+    dist.barrier()
+    names = sorted(p.name for p in Path(directory).iterdir())
+    expected = ["step_00000004", "step_00000006", "step_00000007", "step_00000008", "step_00000009",
+                "step_00000010.tmp", "step_00000011", "step_00000012"]
+    assert names == expected, f"rank {rank}: keep=3 good ones (7, 9, 11), the bad ones untouched: left {names}"
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        found = manager.latest()
+    assert found is not None and found.step == 11, f"rank {rank}: latest is {found}, expected step 11"
 
 
 @pytest.mark.exercise("4.4 checkpoint manager")

@@ -180,8 +180,8 @@ def _worker_zero3_vs_fsdp2(rank, world_size):
     torch_model = copy.deepcopy(ref)
     for unit in (torch_model.a, torch_model.b, torch_model):
         fully_shard(unit)  # FSDP2 on the default 1D mesh of the world
-    ours = fsdp.FullyShardedDataParallel(copy.deepcopy(ref), torch.optim.AdamW, lr=0.01, weight_decay=0.1)
-    torch_opt, ref_opt = _adamw(torch_model), _adamw(ref)
+    ours = fsdp.FullyShardedDataParallel(copy.deepcopy(ref))
+    ours_opt, torch_opt, ref_opt = _adamw(ours), _adamw(torch_model), _adamw(ref)  # ours: on its flat shards
     psi = sum(p.numel() for p in ref.parameters()) * 8
     for step in range(STEPS + 1):
         what = f"rank {rank}, W={world_size}, step {step}"
@@ -191,10 +191,10 @@ def _worker_zero3_vs_fsdp2(rank, world_size):
         xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
         ledgers = {"ours": CommLedger(), "torch": CommLedger()}
         with ledgers["ours"]:
-            ours.zero_grad()
+            ours_opt.zero_grad(set_to_none=True)
             out = ours(xs)
             F.mse_loss(out, ys).backward()
-            ours.step()
+            ours_opt.step()
         with ledgers["torch"]:
             torch_opt.zero_grad(set_to_none=True)
             torch_out = torch_model(xs)

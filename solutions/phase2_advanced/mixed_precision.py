@@ -152,8 +152,8 @@ class DynamicLossScaler:
 
 
 def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
-    """NCCL communicates CUDA tensors only; gloo CPU ones."""
-    if dist.get_backend(group) == "nccl":
+    """NCCL communicates CUDA tensors only ("nccl", or "cpu:gloo,cuda:nccl": CUDA too); gloo CPU ones."""
+    if "nccl" in dist.get_backend(group):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

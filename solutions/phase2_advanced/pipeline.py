@@ -25,14 +25,14 @@ Run: ``RUN_MODE=pipeline_gpipe ./entrypoint.sh``, ``RUN_MODE=pipeline_1f1b ./ent
 """
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab import p2p
+from distlab.metrics import device_clock
+from distlab.stage_links import StageLinks
 from distlab.sync import check_divisible
 
 
@@ -77,10 +77,8 @@ class PipelineStage:
         self.peak_in_flight = 0
         self.losses: list[torch.Tensor] = []  # last stage: each micro-batch's loss / m
         self.events: list[tuple] = []  # (stage, start_s, end_s, kind, label) for plot_timeline
-        # A send leaves with this stage's next receive, as one launch: in 1F1B's steady state
-        # two neighbours send to each other at once, which NCCL cannot buffer (see distlab.p2p).
-        self.outbox = p2p.Outbox(group)
-        self._local: dict[tuple, list[torch.Tensor]] = {}  # messages to itself (p = 1, several chunks)
+        # Given: untagged messages, each send leaving with the next receive (distlab/stage_links.py).
+        self.links = StageLinks(self.stage_id, group, dtype, self.device, self.events)
 
     @property
     def is_first(self) -> bool:
@@ -90,66 +88,73 @@ class PipelineStage:
     def is_last(self) -> bool:
         return self.stage_id == self.num_stages - 1
 
-    # Messages have no tags (NCCL has none): between two stages they match in the order they
-    # are sent, and every schedule here receives them in the order its neighbour sends them.
-    # ``key`` (virtual stage, direction) only names the queue of messages a stage sends itself.
-    def _recv(self, stage: int, key: tuple, shape: tuple[int, ...]) -> torch.Tensor:
-        if stage == self.stage_id:
-            return self._local[key].pop(0)
-        buf = torch.empty(shape, dtype=self.dtype, device=self.device)
-        start = time.perf_counter()
-        self.outbox.recv(buf, stage)  # posts the queued sends too, grouped with this receive
-        self.events.append((self.stage_id, start, time.perf_counter(), "wait", ""))
-        return buf
+    # (stage, key, shape) of a message: ``key`` (virtual stage, direction) only names the queue
+    # of messages a stage sends itself; between two stages messages match in the order sent.
+    def _input_of(self, chunk: int) -> tuple | None:
+        """(stage, key, shape) of the forward input ``chunk`` receives; None on virtual stage 0."""
+        vs = chunk * self.num_stages + self.stage_id
+        return None if vs == 0 else ((self.stage_id - 1) % self.num_stages, (vs, "F"), self.recv_shape)
 
-    def _send(self, t: torch.Tensor, stage: int, key: tuple) -> None:
-        if stage == self.stage_id:
-            self._local.setdefault(key, []).append(t.detach().clone())
-            return
-        self.outbox.put(t.detach(), stage)  # leaves with the next receive (or flush)
+    def _grad_of(self, mb: int, chunk: int) -> tuple | None:
+        """(stage, key, shape) of the output gradient ``chunk`` receives for ``mb``; None on the last virtual stage."""
+        vs = chunk * self.num_stages + self.stage_id
+        if vs == self.num_stages * self.num_chunks - 1:
+            return None
+        return (self.stage_id + 1) % self.num_stages, (vs, "B"), self.in_flight[chunk, mb][1].shape
 
     def forward_step(self, mb: int, x: torch.Tensor | None, target: torch.Tensor | None,
                      loss_fn: Callable, num_microbatches: int, chunk: int = 0) -> None:
         """Forward of micro-batch ``mb`` through ``chunk``: receive (or take ``x``), compute, send (or loss / m)."""
+        inp, = self.links.receive([self._input_of(chunk)])
+        self._forward(mb, x if inp is None else inp.requires_grad_(), target, loss_fn, num_microbatches, chunk)
+
+    def backward_step(self, mb: int, chunk: int = 0) -> None:
+        """Backward of micro-batch ``mb`` through ``chunk``: receive dL/d(output), backward, send dL/d(input)."""
+        grad, = self.links.receive([self._grad_of(mb, chunk)])
+        self._backward(mb, chunk, grad)
+
+    def forward_backward_step(self, mb: int, chunk: int, x: torch.Tensor | None, target: torch.Tensor | None,
+                              loss_fn: Callable, num_microbatches: int, back_mb: int, back_chunk: int) -> None:
+        """A steady-state slot: forward of (``mb``, ``chunk``), then backward of (``back_mb``, ``back_chunk``).
+
+        Both messages are received in one launch (Megatron-LM's send_forward_backward_recv_forward_backward):
+        interleaved, a rank's two neighbours (one rank at p = 2) exchange in both directions, and two
+        launches make a cycle of sends each waiting for a receive queued behind another send (NCCL
+        hangs, gloo buffers). The backward's forward must have run already.
+        """
+        inp, grad = self.links.receive([self._input_of(chunk), self._grad_of(back_mb, back_chunk)])
+        self._forward(mb, x if inp is None else inp.requires_grad_(), target, loss_fn, num_microbatches, chunk)
+        self._backward(back_mb, back_chunk, grad)
+
+    def _forward(self, mb: int, inp: torch.Tensor, target: torch.Tensor | None, loss_fn: Callable,
+                 num_microbatches: int, chunk: int) -> None:
         p, vs = self.num_stages, chunk * self.num_stages + self.stage_id
-        first, last = vs == 0, vs == p * self.num_chunks - 1
-        if first:
-            self.outbox.flush()  # nothing to receive: queued sends go now, not after this compute
-            inp = x
-        else:
-            inp = self._recv((self.stage_id - 1) % p, (vs, "F"), self.recv_shape).requires_grad_()
-        start = time.perf_counter()
+        last = vs == p * self.num_chunks - 1
+        start = device_clock(self.device)
         out = self.chunks[chunk](inp)
         if last:
             out = loss_fn(out, target) / num_microbatches  # the mean over micro-batches
             self.losses.append(out.detach())
-        self.events.append((self.stage_id, start, time.perf_counter(), "F", mb if self.num_chunks == 1
+        self.events.append((self.stage_id, start, device_clock(self.device), "F", mb if self.num_chunks == 1
                             else f"{mb}.{chunk}"))
         if not last:
-            self._send(out.detach(), (self.stage_id + 1) % p, (vs + 1, "F"))
+            self.links.send(out.detach(), (self.stage_id + 1) % p, (vs + 1, "F"))
         self.in_flight[chunk, mb] = (inp, out)
         self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
 
-    def backward_step(self, mb: int, chunk: int = 0) -> None:
-        """Backward of micro-batch ``mb`` through ``chunk``: receive dL/d(output), backward, send dL/d(input)."""
+    def _backward(self, mb: int, chunk: int, grad: torch.Tensor | None) -> None:
         p, vs = self.num_stages, chunk * self.num_stages + self.stage_id
         inp, out = self.in_flight.pop((chunk, mb))  # frees this micro-batch's activations afterwards
-        last = vs == p * self.num_chunks - 1
-        if last:
-            self.outbox.flush()
-            grad = None
-        else:
-            grad = self._recv((self.stage_id + 1) % p, (vs, "B"), out.shape)
-        start = time.perf_counter()
+        start = device_clock(self.device)
         torch.autograd.backward(out, grad)
-        self.events.append((self.stage_id, start, time.perf_counter(), "B", mb if self.num_chunks == 1
+        self.events.append((self.stage_id, start, device_clock(self.device), "B", mb if self.num_chunks == 1
                             else f"{mb}.{chunk}"))
         if vs > 0:
-            self._send(inp.grad, (self.stage_id - 1) % p, (vs - 1, "B"))
+            self.links.send(inp.grad, (self.stage_id - 1) % p, (vs - 1, "B"))
 
     def finish(self) -> None:
         """Post the queued sends and wait for every send (their buffers must live until then)."""
-        self.outbox.finish()
+        self.links.finish()
 
 
 # --------------------------------------------------------------------------- schedules
@@ -219,7 +224,8 @@ def interleaved_1f1b(stage: PipelineStage, inputs: list, targets: list, loss_fn:
     # micro-batches through chunk 0, the same p through chunk 1, ..., then the next p; the
     # k-th backward is the k-th forward's micro-batch with the chunks walked in reverse.
     # As in 1F1B: warm-up forwards (as many as the docstring says), then one forward and
-    # one backward at a time, then the remaining backwards; wait for the sends at the end.
+    # one backward at a time (one `stage.forward_backward_step`: both messages received in
+    # one launch), then the remaining backwards; wait for the sends at the end.
     def op(k: int, forward: bool) -> tuple[int, int]:
         chunk = (k % (p * v)) // p
         return (chunk if forward else v - 1 - chunk), (k // (p * v)) * p + k % p
@@ -235,9 +241,10 @@ def interleaved_1f1b(stage: PipelineStage, inputs: list, targets: list, loss_fn:
     warmup = min(2 * (p - s - 1) + (v - 1) * p, total)
     for k in range(warmup):
         fwd(k)
-    for k in range(total - warmup):
-        fwd(warmup + k)
-        bwd(k)
+    for k in range(total - warmup):  # one launch receives both: see PipelineStage.forward_backward_step
+        chunk, mb = op(warmup + k, True)
+        back_chunk, back_mb = op(k, False)
+        stage.forward_backward_step(mb, chunk, inputs[mb], targets[mb], loss_fn, m, back_mb, back_chunk)
     for k in range(total - warmup, total):
         bwd(k)
     stage.finish()

@@ -1,28 +1,24 @@
 """ZeRO-3 / FSDP from scratch: parameters sharded too, gathered just in time, freed after use.
 
-Each *unit* (by default every repeated block: TinyGPT/ViT layers, ResNet residual
-blocks, and every other child with parameters; a parameter shared by two units, e.g.
-tied embeddings, belongs to the root) keeps only a flat chunk of its parameters, 1/W
-of them, in fp32 (the master weights).
+Each *unit* (by default every repeated block: TinyGPT/ViT layers, ResNet residual blocks,
+and every other child with parameters; a parameter shared by two units, e.g. tied
+embeddings, belongs to the root) keeps a flat chunk, 1/W, of its parameters in fp32 (the
+master weights), registered on its module as the parameter ``flat_shard``: any torch
+optimizer built after wrapping, ``AdamW(fsdp.parameters())``, trains the shards.
 
     forward of unit u:   all_gather(chunks -> full flat, compute dtype) ; run u ; free the full flat
     backward of unit u:  all_gather again (prefetched while the unit before it runs backward) ;
                          run u's backward ; free ; reduce_scatter(u's fp32 gradient) -> my chunk (async)
 
-Reduce-scatters launch as soon as a unit's gradients are complete, in one order every
-rank agrees on: the first backward uses the reverse of the units' order with the root
-(whose tied/shared gradients arrive last) at the end; at its end rank 0's observed
-completion order is broadcast and used from then on. Gathered at once: the root, the
-unit in backward and ``prefetch`` units ahead; full gradients: at most ``max_in_flight``
-units in flight (``self.memory`` and ``self.overlap`` record peaks and overlap).
-
-At rest everything is 1/W ((2 + 2 + K) Psi / W for mixed-precision Adam, Rajbhandari
-et al. 2020). Per step: two all-gathers and one reduce-scatter of |params|, 3 Psi (W-1)/W
-bytes per rank in a ring, 1.5x DDP. Several backwards before ``step`` accumulate.
-``compute_dtype`` (e.g. bfloat16): chunks are cast before the all-gather (half the wire
-and gathered bytes); gradients are reduced and kept in fp32. Frozen parameters and
-buffers are not sharded. State dicts: fsdp_state.py (3.19); guide:
-phase3_multi_node/guidelines_ddp_zero.md#zero-3-fsdp.
+Reduce-scatters launch as soon as a unit's gradients are complete, in one order every rank
+agrees on: first the reverse of the units with the root (tied gradients arrive last) at the
+end, then rank 0's order observed in the first backward. Gathered at once: the root, the
+unit in backward and ``prefetch`` ahead; at most ``max_in_flight`` full gradients in flight.
+At rest everything is 1/W ((2 + 2 + K) Psi / W, mixed-precision Adam, Rajbhandari et al.
+2020); per step two all-gathers and a reduce-scatter: 3 Psi (W-1)/W bytes per rank, 1.5x DDP.
+Flat chunks per unit (FSDP1), not per-parameter shards (FSDP2): one collective per unit, no
+copies, the lesson here; but the optimizer sees no names or shapes (groups by name: ``replicate``).
+Plumbing: distlab/flat_shards.py; guide: phase3_multi_node/guidelines_ddp_zero.md#zero-3-fsdp.
 
 Run: ``RUN_MODE=zero ./entrypoint.sh --stage 3 [--compute-dtype bfloat16]`` (demos/zero.py).
 """
@@ -31,15 +27,17 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from distlab.comm import all_gather_single, reduce_scatter_single
+from distlab.flat_shards import (cast_floating, default_units, keep_full_precision, replace_parameters,
+                                 replicated_parameters)
 from distlab.meters import MemoryMeter, OverlapMeter, nbytes
-from distlab.sync import broadcast_module, group_root
+from distlab.sync import allreduce_gradients, broadcast_module, group_root
 
 
 @dataclass(eq=False)
@@ -51,7 +49,7 @@ class Unit:
     names: list[str]
     offsets: list[int]
     full: torch.Tensor            # padded flat buffer (compute dtype); the params are views into it
-    shard: nn.Parameter           # my chunk of it, in fp32: what the optimizer updates
+    shard: nn.Parameter           # my chunk of it, in fp32: ``module.flat_shard``, what the optimizer updates
     ready: set[int] = field(default_factory=set)
     grad_full: torch.Tensor | None = None   # fp32 full gradient, only until its reduce-scatter is done
     handle: tuple[dist.Work, torch.Tensor] | None = None
@@ -69,50 +67,39 @@ def alloc_storage(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(t.numel() * t.element_size())
 
 
-def default_units(model: nn.Module) -> list[nn.Module]:
-    """Blocks of repeated containers (ModuleList/Sequential of >= 2 same-type modules) as units;
-    children holding such a container are opened; every other child with parameters is a unit."""
-    def trainable(m: nn.Module) -> bool:
-        return any(p.requires_grad for p in m.parameters())
-
-    def repeated(m: nn.Module) -> bool:
-        kids = [k for k in m.children() if trainable(k)]
-        return isinstance(m, (nn.ModuleList, nn.Sequential)) and len(kids) >= 2 and len({type(k) for k in kids}) == 1
-
-    units = []
-    for child in model.children():
-        if repeated(child) or isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            units += [k for k in child.children() if trainable(k)]
-        elif any(repeated(m) for m in child.modules()):
-            units += default_units(child)
-        elif trainable(child):
-            units.append(child)
-    return units
-
-
 class FullyShardedDataParallel(nn.Module):
     """ZeRO-3: parameters, gradients and optimizer state sharded over ``group``.
 
     Args:
-        model: this rank's replica (rank 0's parameters are broadcast).
-        optimizer_cls, **optim_kwargs: any ``torch.optim`` optimizer, built on the fp32 chunks.
+        model: this rank's replica (rank 0's parameters are broadcast); its trainable parameters
+            become one 1-D ``flat_shard`` per unit. Build the optimizer after wrapping.
+        optimizer_cls, **optim_kwargs: optional: ``self.optimizer = optimizer_cls(self.parameters(),
+            **optim_kwargs)``, stepped by ``self.step()``.
         units: modules gathered and freed as one, not nested (default: ``default_units(model)``);
             the root holds every parameter no single unit owns.
-        compute_dtype: dtype of the gathered parameters (None: the parameters' own).
-        prefetch: units gathered ahead in backward; max_in_flight: reduce-scatters in flight;
-        group: None for WORLD.
+        replicate: names of parameters (or of modules: all their parameters) kept whole on every
+            rank, e.g. norms: own names and shapes, gradients all-reduced at the end of backward.
+        compute_dtype: dtype of the gathered parameters (None: their own); modules holding
+            frozen or replicated parameters run in those parameters' dtype (inputs cast, outputs back).
+        prefetch: units gathered ahead in backward; max_in_flight: reduce-scatters in flight; group: None: WORLD.
 
-    Equivalent to: single-process ``optimizer_cls(model.parameters())`` on the global batch
-    (with ``compute_dtype``: forward/backward in that dtype, fp32 master weights).
-    Collective: construction, every forward, backward and ``step`` on all ranks of ``group``.
+    After backward (backwards accumulate, as in torch): ``flat_shard.grad`` is my chunk of the
+    unit's flattened mean gradient over ranks, shaped like the shard (zeros in the padding), in
+    its dtype (fp32; fp64 models: fp64); a replicated parameter's ``.grad`` is its whole mean
+    gradient, its own shape and dtype; a frozen one's stays None.
+    Equivalent to: any torch optimizer on the single-process ``model.parameters()``, global batch.
+    Collective: construction, every forward and backward on all ranks of ``group``.
     Cost: 3 Psi (W-1)/W bytes per rank per step (1.5x DDP); memory (2 + 2 + K) Psi / W at rest.
     """
 
-    def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *,
-                 units: list[nn.Module] | None = None, compute_dtype: torch.dtype | None = None,
-                 prefetch: int = 1, max_in_flight: int = 2, group: dist.ProcessGroup | None = None,
-                 **optim_kwargs: Any) -> None:
+    def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] | None = None, *,
+                 units: list[nn.Module] | None = None, replicate: Iterable[str] = (),
+                 compute_dtype: torch.dtype | None = None, prefetch: int = 1, max_in_flight: int = 2,
+                 group: dist.ProcessGroup | None = None, **optim_kwargs: Any) -> None:
         super().__init__()
+        if optim_kwargs and optimizer_cls is None:
+            raise TypeError(f"optimizer arguments {sorted(optim_kwargs)} without optimizer_cls: build the "
+                            f"optimizer on fsdp.parameters() after wrapping")
         self.module, self.group, self.compute_dtype = model, group, compute_dtype
         self.prefetch, self.max_in_flight = prefetch, max(1, max_in_flight)
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -123,18 +110,27 @@ class FullyShardedDataParallel(nn.Module):
             if inner or u is model:
                 raise ValueError(f"units must not nest or include the root: {type(u).__name__} contains "
                                  f"{len(inner)} other unit(s)" if inner else "the root is always a unit")
-        names = self._names = {p: n for n, p in model.named_parameters()}
-        owners: dict[nn.Parameter, list[nn.Module]] = {p: [] for p in names if p.requires_grad}
+        every = list(model.named_parameters(remove_duplicate=False))  # tied: one parameter, several names
+        names = {p: n for n, p in reversed(every)}  # its first name
+        self.replicated = replicated_parameters(model, replicate)  # kept whole, gradients all-reduced
+        whole = set(self.replicated)  # a set: `in` compares tensors by identity
+        owners: dict[nn.Parameter, list[nn.Module]] = {p: [] for p in names if p.requires_grad and p not in whole}
         for u in units:
             for p in u.parameters():
-                if p.requires_grad:
+                if p in owners:
                     owners[p].append(u)
         self.units: list[Unit] = []
         for module in [*units, model]:  # the root last: it keeps what no single unit owns
             mine = [p for p, us in owners.items() if (us == [module]) or (module is model and len(us) != 1)]
             if mine:
                 self.units.append(self._shard(module, mine, [names[p] for p in mine], compute_dtype))
-        self.optimizer = optimizer_cls([u.shard for u in self.units], **optim_kwargs)
+        if not self.units:
+            raise ValueError("nothing to shard: every parameter is frozen or in replicate")
+        sharded = {p for u in self.units for p in u.params}
+        if compute_dtype is not None:
+            keep_full_precision(model, sharded, compute_dtype)
+        replace_parameters(model, self.units, owner=self)  # model.parameters(): the flat shards now
+        self.aliases = {n: names[p] for n, p in every if p in sharded and n != names[p]}  # tied: name -> first
         self._where = {p: (u, j) for u in self.units for j, p in enumerate(u.params)}
         # Launch (and prefetch) order: reverse of the units, root last, until the first backward's is known.
         self._order = [*self.units[-2::-1], self.units[-1]] if self.units[-1].module is model else self.units[::-1]
@@ -147,6 +143,9 @@ class FullyShardedDataParallel(nn.Module):
             for p in u.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
             self._reshard(u)
+        for p in self.replicated:  # reduced when the backward ends, which this makes sure is noticed
+            p.register_post_accumulate_grad_hook(lambda p: self._begin_backward())
+        self.optimizer = optimizer_cls(self.parameters(), **optim_kwargs) if optimizer_cls else None
 
     def _shard(self, module: nn.Module, params: list[nn.Parameter], names: list[str],
                compute_dtype: torch.dtype | None) -> Unit:
@@ -170,10 +169,13 @@ class FullyShardedDataParallel(nn.Module):
         self.memory.sample(**held)
         self.max_gathered = max(self.max_gathered, sum(u.is_gathered() for u in self.units))
 
-    def _backward_pre(self, u: Unit) -> None:
+    def _begin_backward(self) -> None:
         if not self._in_backward:  # once per backward: finish the reduce-scatters when it ends
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _backward_pre(self, u: Unit) -> None:
+        self._begin_backward()
         self._unshard(u, wait=True)
         later = self._order[self._order.index(u) + 1:]
         for v in [v for v in later if not v.ready][:self.prefetch]:
@@ -271,29 +273,27 @@ class FullyShardedDataParallel(nn.Module):
             order = [seen + [i for i in range(len(self.units)) if i not in seen]]
             dist.broadcast_object_list(order, src=group_root(self.group), group=self.group)
             self._order, self._recorded = [self.units[i] for i in order[0]], True
+        for p in self.replicated:  # .grad before this backward is the same on every rank (None, zeros or
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad  # the last mean): mean(it + mine) =
+        allreduce_gradients(self.replicated, self.group)  # it + mean(mine). One per (small: norm) parameter
         self._next, self._completed, self._in_backward = 0, [], False
         self._sample()
         self.overlap.end_backward()
 
     # ------------------------------------------------------------------ training API
-    def forward(self, *args, **kwargs):
-        if self.compute_dtype is None:
-            return self.module(*args, **kwargs)
-        # Floating inputs meet the gathered weights in their dtype.
-        cast = lambda t: t.to(self.compute_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
-        return self.module(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()})
+    def forward(self, *args, **kwargs):  # floating inputs meet the gathered weights in their dtype
+        return self.module(*cast_floating(args, self.compute_dtype), **cast_floating(kwargs, self.compute_dtype))
 
-    def step(self) -> None:  # my chunks, with the gradients the backward(s) reduce-scattered
+    def step(self) -> None:  # with optimizer_cls (zero_grad is nn.Module's: it clears every .grad)
+        if self.optimizer is None:
+            raise RuntimeError("built without optimizer_cls: step the optimizer you built on fsdp.parameters()")
         self.optimizer.step()
-        self._sample()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)  # its parameters are my chunks
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now for sharded parameters (+ any gathered), gradients, optimizer state."""
-        params = sum(nbytes(u.shard) + nbytes(u.full) for u in self.units)
-        grads = sum(nbytes(u.shard.grad) for u in self.units)
-        state = sum(nbytes(v) for s in self.optimizer.state.values() for v in s.values()
-                    if torch.is_tensor(v) and v.dim() > 0)
+        mine = [u.shard for u in self.units] + self.replicated
+        params = sum(nbytes(p) for p in mine) + sum(nbytes(u.full) for u in self.units)
+        grads = sum(nbytes(p.grad) for p in mine)
+        state = sum(nbytes(v) for opt in self._optimizers for p in mine for v in opt.state.get(p, {}).values()
+                    if torch.is_tensor(v) and v.dim() > 0)  # of every torch optimizer that stepped them
         return {"params": params, "grads": grads, "optimizer": state}

@@ -12,7 +12,10 @@ A sharded model has two kinds of checkpoint (PyTorch's FSDP has the same pair):
 
 These functions take a ``FullyShardedDataParallel`` from fsdp.py (3.17-3.18): its
 ``units`` (params, names, offsets, the padded ``full`` buffer, the fp32 ``shard``),
-``module``, ``optimizer``, ``group``, ``rank`` and ``world_size``.
+``aliases`` (tied names), ``module``, ``group``, ``rank`` and ``world_size``; the sharded
+pair also takes the torch optimizer built on ``fsdp.parameters()``. Names are the
+single-process model's: the ``flat_shard`` parameters never appear in a state dict, and
+what is not sharded (buffers, frozen and replicated parameters) is copied by name.
 See phase3_multi_node/guidelines_ddp_zero.md#state-dicts.
 """
 from __future__ import annotations
@@ -26,8 +29,10 @@ import torch.nn as nn
 from distlab.comm import all_gather_single
 
 
-def _sharded_params(fsdp: nn.Module) -> set[nn.Parameter]:
-    return {p for u in fsdp.units for p in u.params}
+def _unsharded(fsdp: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers and the parameters kept whole (frozen, replicated), by name: all but the flat shards."""
+    shards = {u.shard for u in fsdp.units}  # a set: `in` compares tensors by identity
+    return {n: t for n, t in fsdp.module.state_dict(keep_vars=True).items() if t not in shards}
 
 
 @torch.no_grad()
@@ -37,9 +42,7 @@ def full_state_dict(fsdp: nn.Module) -> dict[str, torch.Tensor]:
     Equivalent to: ``model.state_dict()`` of the single-process model (fp32 masters).
     Collective: every rank of ``fsdp.group`` calls it. Cost: Psi (W-1)/W bytes per rank.
     """
-    sharded = _sharded_params(fsdp)
-    state = {n: t.detach().clone() for n, t in fsdp.module.state_dict(keep_vars=True).items()
-             if not any(t is p for p in sharded)}  # buffers and frozen parameters
+    state = {n: t.detach().clone() for n, t in _unsharded(fsdp).items()}
     for u in fsdp.units:
         # ### BEGIN SOLUTION 3.19a: gather a full state dict [guidelines_ddp_zero.md#state-dicts]
         # Goal: `state[name]` for each of u's params: the full tensor, in the master dtype
@@ -50,10 +53,8 @@ def full_state_dict(fsdp: nn.Module) -> dict[str, torch.Tensor]:
         for p, name, start in zip(u.params, u.names, u.offsets):
             state[name] = flat[start:start + p.numel()].view(p.shape).clone()
         # ### END SOLUTION 3.19a
-    first = {}
-    for alias, p in fsdp.module.named_parameters(remove_duplicate=False):
-        first.setdefault(p, alias)
-        state.setdefault(alias, state[first[p]])  # a tied weight under its second name
+    for alias, name in fsdp.aliases.items():
+        state[alias] = state[name]  # a tied weight under its second name
     return state
 
 
@@ -71,27 +72,37 @@ def load_full_state_dict(fsdp: nn.Module, state: dict[str, torch.Tensor]) -> Non
         chunk = u.shard.numel()
         u.shard.copy_(flat[fsdp.rank * chunk:(fsdp.rank + 1) * chunk])
         # ### END SOLUTION 3.19b
-    sharded = _sharded_params(fsdp)
-    for name, t in fsdp.module.state_dict(keep_vars=True).items():
-        if not any(t is p for p in sharded):  # buffers and frozen parameters: replicated
-            t.copy_(state[name])
+    for name, t in _unsharded(fsdp).items():  # buffers, frozen and replicated parameters
+        t.copy_(state[name])
 
 
-def sharded_state_dict(fsdp: nn.Module) -> dict[str, Any]:
-    """My chunks and optimizer state, with the layout a resharder needs (names, offsets, padding)."""
+def sharded_state_dict(fsdp: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """My chunks, what is not sharded, and ``optimizer``'s state (default: ``fsdp.optimizer``, if
+    built with ``optimizer_cls``; none: weights only), with the layout a resharder needs."""
+    optimizer = optimizer if optimizer is not None else fsdp.optimizer
     layout = [{"names": u.names, "offsets": u.offsets, "numels": [p.numel() for p in u.params],
                "padded": u.full.numel()} for u in fsdp.units]
     return {"world_size": fsdp.world_size, "rank": fsdp.rank, "layout": layout,
             "shards": [u.shard.detach().clone() for u in fsdp.units],
-            "optimizer": copy.deepcopy(fsdp.optimizer.state_dict())}  # a snapshot, not live tensors
+            "unsharded": {n: t.detach().clone() for n, t in _unsharded(fsdp).items()},
+            "optimizer": None if optimizer is None else copy.deepcopy(optimizer.state_dict())}  # a snapshot
 
 
 @torch.no_grad()
-def load_sharded_state_dict(fsdp: nn.Module, state: dict[str, Any]) -> None:
-    """Restore my chunks and optimizer state, saved by this rank at this world size."""
+def load_sharded_state_dict(fsdp: nn.Module, state: dict[str, Any],
+                            optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Restore what ``sharded_state_dict`` saved, by this rank at this world size, into ``fsdp``
+    and ``optimizer`` (default: ``fsdp.optimizer``)."""
+    optimizer = optimizer if optimizer is not None else fsdp.optimizer
     if state["world_size"] != fsdp.world_size or state["rank"] != fsdp.rank:
         raise ValueError(f"state of rank {state['rank']} of {state['world_size']} cannot load into rank "
                          f"{fsdp.rank} of {fsdp.world_size}: reshard it first")
+    if (state["optimizer"] is None) != (optimizer is None):
+        raise ValueError("the state has optimizer state but no optimizer was given" if optimizer is None else
+                         "the state has no optimizer state (saved without an optimizer): nothing to load into it")
     for u, s in zip(fsdp.units, state["shards"]):
         u.shard.copy_(s)
-    fsdp.optimizer.load_state_dict(state["optimizer"])
+    for name, t in _unsharded(fsdp).items():
+        t.copy_(state["unsharded"][name])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])

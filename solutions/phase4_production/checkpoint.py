@@ -11,9 +11,9 @@ make a checkpoint trustworthy:
 2. **Verified.** The file starts with a header: a magic line, the payload's length
    and its SHA-256. Loading recomputes both and refuses a truncated or corrupted
    file with ``CheckpointError``; the manager then falls back to the previous good
-   checkpoint instead of crashing or, worse, training on garbage.
+   checkpoint instead of crashing or, worse, training on garbage. Integrity, not a signature.
 3. **Safe to load.** ``torch.load(..., weights_only=True)``: only tensors and plain
-   containers are unpickled, never arbitrary code from a file someone handed you.
+   containers are unpickled, never code from a file whose checksum someone recomputed.
 
 And *complete*: model, optimizer, LR scheduler, the sampler's epoch and position,
 the step, and every random generator a step draws from (torch CPU and CUDA, numpy,
@@ -25,7 +25,8 @@ shard) plus ``meta.pt`` written last::
     ckpt/step_00000010/rank0.pt rank1.pt ... meta.pt
 
 A step is staged as ``step_00000010.tmp/`` and renamed once every rank's file is in,
-so a half-written step is never picked up. The newest ``keep`` steps are kept.
+so a half-written step is never picked up. The newest ``keep`` steps that verify are
+kept; ``restore`` resumes from the newest that also *loads*, one step back at a time.
 
 Cost: no data communication; two barriers per save. Disk: each rank's state.
 See phase4_production/guidelines.md#crash-safe-checkpoints.
@@ -36,15 +37,18 @@ import hashlib
 import io
 import os
 import random
+import re
 import shutil
 import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+
+from distlab import resume
 
 MAGIC = b"DISTLAB-CKPT-1\n"
 _HEADER = struct.Struct("<Q32s")  # payload length, SHA-256 of the payload
@@ -128,16 +132,18 @@ def load_file(path: str | Path, map_location: str | torch.device | None = None) 
     """Load a file written by ``save_file``: checksum verified, then unpickled with ``weights_only``.
 
     Raises:
-        CheckpointError: see ``verify_file``.
+        CheckpointError: see ``verify_file``; or weights_only refused the payload (a checksum is no signature).
     """
     # ### BEGIN SOLUTION 4.2b: verified load (weights_only) [guidelines.md#crash-safe-checkpoints]
     # Goal: the object `save_file` wrote, on `map_location`, from a verified payload only; and a
     # file is data, never code: anything but tensors, numbers, strings and plain containers
-    # must be refused when unpickled, not built.
+    # must be refused when unpickled, not built, with a CheckpointError naming `path` and "weights_only".
     payload = verify_file(path)
-    # weights_only: tensors, numbers, strings and containers only; a pickle that
-    # tries to build any other object is refused instead of executed.
-    return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
+    try:  # tensors, numbers, strings and containers only: any other object is refused, not built
+        return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
+    except Exception as exc:  # UnpicklingError (refused), or a payload torch cannot decode
+        why = re.search(r"WeightsUnpickler error: (.*?)(?= Please use|$)", " ".join(str(exc).split()))
+        raise CheckpointError(f"{path}: refused by torch.load(weights_only=True): {why[1] if why else exc!r}") from exc
     # ### END SOLUTION 4.2b
 
 
@@ -192,10 +198,10 @@ class Checkpoint:
     path: Path
 
     def load(self, rank: int, map_location: str | torch.device | None = None) -> Any:
-        """The state that rank ``rank`` of the saving job wrote (verified)."""
+        """The state that rank ``rank`` of the saving job wrote (``load_file``; CheckpointError if none)."""
         if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is not in [0, {self.world_size - 1}]: "
-                             f"this checkpoint was written by {self.world_size} ranks")
+            raise CheckpointError(f"{self.path} was written by {self.world_size} ranks: it has no file for "
+                                  f"rank {rank} (resume with {self.world_size} ranks, or reshard)")
         return load_file(self.path / f"rank{rank}.pt", map_location)
 
 
@@ -212,6 +218,8 @@ class CheckpointManager:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}: the newest checkpoint is always kept")
         self.directory = Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.directory} is a file: name another directory")
         self.keep = keep
         self.group = group
 
@@ -243,41 +251,49 @@ class CheckpointManager:
             dist.barrier(group=self.group)  # nobody reads or writes the next step before this one is published
         return final
 
+    def _published(self) -> list[Path]:
+        """The complete step directories (not the ``*.tmp`` staging ones), oldest first."""
+        return sorted(p for p in self.directory.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+
     def _prune(self) -> None:
+        """Delete the good checkpoints older than the newest ``keep`` good ones; bad ones are left to
+        look at (never counted). Cost: rank 0 reads back every published checkpoint."""
         # ### BEGIN SOLUTION 4.4a: checkpoint manager (prune) [guidelines.md#crash-safe-checkpoints]
-        # Goal: delete every complete step directory but the newest `self.keep`. Complete means
-        # published: a staging directory (``*.tmp``) is never counted nor deleted here.
-        complete = sorted(p for p in self.directory.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+        # Goal: keep the newest `self.keep` checkpoints that verify (`self.checkpoints`, quietly), delete
+        # the older good ones. Never count a bad one: newer bad ones must not push the good ones out.
+        complete = sorted(c.path for c in self.checkpoints(warn=False))  # the good ones, oldest first
         for old in complete[:-self.keep]:  # zero-padded names: sorting names sorts steps
             shutil.rmtree(old, ignore_errors=True)
         # ### END SOLUTION 4.4a
 
-    def latest(self) -> Checkpoint | None:
-        """The newest checkpoint whose every file verifies; None when there is none.
+    def checkpoints(self, warn: bool = True) -> Iterator[Checkpoint]:
+        """Every checkpoint whose every file verifies, newest first.
 
-        A directory whose ``meta.pt`` or any ``rank*.pt`` is missing, truncated or
-        corrupted is skipped with a warning that names the file and the step used
-        instead. Staging directories (``*.tmp``) are never considered.
-
+        A directory whose ``meta.pt`` does not load or one of whose ``rank*.pt`` does not verify is
+        skipped with one warning (if ``warn``) naming the file and what is wrong.
         Collective: no; every rank reaches the same answer from the same files.
         """
-        if not self.directory.is_dir():
-            return None
-        # ### BEGIN SOLUTION 4.4b: checkpoint manager (latest good one) [guidelines.md#crash-safe-checkpoints]
-        # Goal: newest first over the complete step directories, return a `Checkpoint` for the
-        # first one whose meta.pt ({"step", "world_size"}) and every rank's file verify. Skip a
-        # bad one with a warning that names its directory and what is wrong; None if none is good.
-        candidates = sorted((p for p in self.directory.glob("step_*")
-                             if p.is_dir() and not p.name.endswith(".tmp")), reverse=True)
-        for path in candidates:
+        # ### BEGIN SOLUTION 4.4b: checkpoint manager (verified checkpoints) [guidelines.md#crash-safe-checkpoints]
+        # Goal: newest first over `self._published()`, yield a `Checkpoint` per directory whose meta.pt
+        # ({"step", "world_size"}) and rank files verify; skip a bad one with a warning (if `warn`).
+        for path in reversed(self._published()):
             try:
                 meta = load_file(path / "meta.pt")
                 for r in range(meta["world_size"]):
                     verify_file(path / f"rank{r}.pt")
             except CheckpointError as exc:
-                warnings.warn(f"skipping checkpoint {path.name}: {exc}; falling back to an older one",
-                              stacklevel=2)
+                if warn:
+                    warnings.warn(f"skipping checkpoint {path.name}: {exc}; falling back to an older one",
+                                  stacklevel=2)
                 continue
-            return Checkpoint(step=int(meta["step"]), world_size=int(meta["world_size"]), path=path)
-        return None
+            yield Checkpoint(step=int(meta["step"]), world_size=int(meta["world_size"]), path=path)
         # ### END SOLUTION 4.4b
+
+    def latest(self) -> Checkpoint | None:
+        """The newest checkpoint whose every file verifies (see ``checkpoints``); None when there is none."""
+        return next(iter(self.checkpoints()), None)
+
+    def restore(self, apply: Callable[[Checkpoint], Any], group: dist.ProcessGroup | None = None) -> Checkpoint | None:
+        """Resume from the newest good checkpoint that ``apply`` loads (else the one before, with a
+        warning), None: start fresh. Collective: every rank of ``group``. See ``distlab.resume``."""
+        return resume.restore(self, apply, group)

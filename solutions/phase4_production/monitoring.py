@@ -35,7 +35,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from distlab.metrics import peak_memory_bytes
+from distlab.metrics import peak_memory_bytes, sync_device
 from distlab.sync import group_root
 
 SECTIONS = ("data", "compute", "comm", "optimizer")
@@ -71,8 +71,12 @@ class Report:
 
 
 # --------------------------------------------------------------------------- the lesson
-def gather_to_rank0(values: list[float], group: dist.ProcessGroup | None = None) -> list[list[float]] | None:
+def gather_to_rank0(values: list[float], group: dist.ProcessGroup | None = None,
+                    device: torch.device | str | None = None) -> list[list[float]] | None:
     """Collect every rank's list of floats (same length everywhere) on group rank 0.
+
+    ``device`` is where the values travel: the rank's device (NCCL moves CUDA tensors only;
+    None: the CPU).
 
     Equivalent to: ``dist.gather_object``, without pickling: one float64 tensor per rank.
     Collective: every rank of ``group`` must call it with the same number of values.
@@ -81,7 +85,7 @@ def gather_to_rank0(values: list[float], group: dist.ProcessGroup | None = None)
         On rank 0, ``[values of rank 0, values of rank 1, ...]``; None elsewhere.
     """
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    mine = torch.tensor(values, dtype=torch.float64)
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world_size)] if rank == 0 else None
     # ### BEGIN SOLUTION 4.11: gather metrics to rank 0 [guidelines.md#monitoring-and-profiling]
     # Goal: group rank 0 returns every rank's values as lists, in group rank order; the others
@@ -123,7 +127,8 @@ class Monitor:
         interval: gather and report every ``interval`` steps (a collective: every rank calls ``end_step``).
         straggler_factor: see ``find_stragglers``.
         clock: seconds as a float; ``time.perf_counter`` unless a test injects a fake one.
-        device: CUDA device to synchronise before reading the clock (None on CPU).
+        device: the rank's device: synchronised before each clock read on CUDA, and the one the
+            summaries travel on (None: the CPU).
     """
 
     def __init__(self, rank: int, world_size: int, out_dir: str | Path | None = None, interval: int = 10,
@@ -154,14 +159,12 @@ class Monitor:
         """Time one section of the current step: ``with monitor.section("compute"): ...``."""
         if name not in SECTIONS:
             raise ValueError(f"section must be one of {SECTIONS}, got {name!r}")
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # time the work, not its queueing
+        sync_device(self.device)  # on CUDA, time the work, not its queueing
         start = self.clock()
         try:
             yield
         finally:
-            if self.device is not None and self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            sync_device(self.device)
             end = self.clock()
             self.current[name] = self.current.get(name, 0.0) + end - start
             kind = {"compute": "F", "comm": "comm", "optimizer": "opt", "data": "data"}[name]
@@ -183,7 +186,7 @@ class Monitor:
             return None
         summary = self._summarise(step)
         self.steps = []
-        gathered = gather_to_rank0([getattr(summary, f) for f in FIELDS], self.group)
+        gathered = gather_to_rank0([getattr(summary, f) for f in FIELDS], self.group, self.device)
         if gathered is None:
             return None
         ranks = [RankSummary(rank=r, step=step, **dict(zip(FIELDS, values))) for r, values in enumerate(gathered)]

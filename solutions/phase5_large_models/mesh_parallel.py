@@ -94,8 +94,11 @@ def tinygpt_tp_plan(n_layer: int, sequence_parallel: bool = False) -> dict[str, 
     return plan
 
 
-def build_mesh(world_size: int, tp_size: int) -> DeviceMesh:
+def build_mesh(world_size: int, tp_size: int, device_type: str = "cpu") -> DeviceMesh:
     """A dp x tp mesh of the world: ``tp_size`` neighbouring ranks per row, axes "dp" and "tp".
+
+    ``device_type`` is where the ranks compute: "cpu", or "cuda" with one GPU per rank
+    (a script passes ``env.device.type``); DTensor and FSDP2 put the shards there.
 
     Equivalent to: Phase 2's ``build_grid(tp_size)`` (rank = dp_rank * tp_size + tp_rank;
     ``mesh["tp"]`` is the row, ``mesh["dp"]`` the column).
@@ -104,9 +107,9 @@ def build_mesh(world_size: int, tp_size: int) -> DeviceMesh:
     """
     dp_size = check_divisible(world_size, tp_size, "world size", "--tp-size")
     # ### BEGIN SOLUTION 5.10a: the 2D device mesh [guidelines_mesh.md#the-2d-mesh]
-    # Goal: the CPU mesh of shape (dp_size, tp_size) whose axes are named "dp" and "tp", so
-    # that mesh["tp"] holds tp_size neighbouring ranks. Collective: every rank calls it.
-    return init_device_mesh("cpu", (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    # Goal: the `device_type` mesh of shape (dp_size, tp_size) whose axes are named "dp" and "tp",
+    # so that mesh["tp"] holds tp_size neighbouring ranks. Collective: every rank calls it.
+    return init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
     # ### END SOLUTION 5.10a
 
 

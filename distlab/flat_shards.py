@@ -1,0 +1,135 @@
+"""Pre-written plumbing of ZeRO-3 (phase3_multi_node/fsdp.py): its shards become the model's parameters.
+
+As PyTorch's FSDP does, the wrapper *replaces* a model's trainable parameters: each unit's
+flat chunk is registered on the unit's module as one 1-D parameter ``flat_shard``, and
+the originals stop being parameters (they stay plain attributes: the views forward
+computes with). So a torch optimizer built on ``model.parameters()`` *after* wrapping
+steps the shards; one built before would hold the originals, which never get a gradient
+again, and ``guard_optimizers`` makes its first step raise instead of training nothing.
+The lesson (gather, reduce-scatter) is in fsdp.py; this is how it meets ``torch.optim``.
+Guide: phase3_multi_node/guidelines_ddp_zero.md#zero-3-fsdp.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable
+
+import torch
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """Blocks of repeated containers (ModuleList/Sequential of >= 2 same-type modules) as units;
+    children holding such a container are opened; every other child with parameters is a unit."""
+    def trainable(m: nn.Module) -> bool:
+        return any(p.requires_grad for p in m.parameters())
+
+    def repeated(m: nn.Module) -> bool:
+        kids = [k for k in m.children() if trainable(k)]
+        return isinstance(m, (nn.ModuleList, nn.Sequential)) and len(kids) >= 2 and len({type(k) for k in kids}) == 1
+
+    units = []
+    for child in model.children():
+        if repeated(child) or isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            units += [k for k in child.children() if trainable(k)]
+        elif any(repeated(m) for m in child.modules()):
+            units += default_units(child)
+        elif trainable(child):
+            units.append(child)
+    return units
+
+
+def replicated_parameters(model: nn.Module, replicate: str | Iterable[str]) -> list[nn.Parameter]:
+    """The trainable parameters named in ``replicate`` (a parameter's name, or a module's: all of
+    its parameters), in the model's order; a ValueError names what matches nothing."""
+    every = list(model.named_parameters(remove_duplicate=False))
+    kept = {s: {p for n, p in every if p.requires_grad and (n == s or n.startswith(s + "."))}
+            for s in ([replicate] if isinstance(replicate, str) else replicate)}
+    if missing := sorted(s for s, ps in kept.items() if not ps):
+        raise ValueError(f"replicate: no trainable parameter is named, or lives in a module named, {missing}")
+    whole = set().union(*kept.values())  # a set: `in` compares tensors by identity
+    return [p for p in dict.fromkeys(p for _, p in every) if p in whole]
+
+
+def cast_floating(obj: Any, dtype: torch.dtype | None) -> Any:
+    """Floating tensors in obj (a tensor, or a tuple/list/dict of them) cast to dtype (None: as they are)."""
+    if dtype is None:
+        return obj
+    if torch.is_tensor(obj):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if type(obj) in (tuple, list):
+        return type(obj)(cast_floating(o, dtype) for o in obj)
+    return {k: cast_floating(v, dtype) for k, v in obj.items()} if type(obj) is dict else obj
+
+
+def keep_full_precision(model: nn.Module, sharded: set[nn.Parameter], compute_dtype: torch.dtype) -> None:
+    """Modules holding unsharded parameters (frozen, replicated) run in those parameters' dtype: floating
+    inputs cast to it, outputs back to ``compute_dtype`` (FSDP1's MixedPrecision does so for norms)."""
+    names = {p: n for n, p in model.named_parameters()}
+    done: set[nn.Module] = set()
+    for name, m in model.named_modules():
+        whole = [p for p in m.parameters(recurse=False) if p not in sharded]
+        if m in done or not whole:
+            continue
+        if clash := [names[p] for p in m.parameters() if p in sharded]:
+            raise ValueError(f"compute_dtype: {name or 'the root'} holds {names[whole[0]]!r} (frozen or replicated, "
+                             f"kept in {whole[0].dtype}) and sharded {clash[0]!r}: keep whole modules unsharded")
+        done.update(m.modules())
+        m.register_forward_pre_hook(lambda m, a, kw, dt=whole[0].dtype: (cast_floating(a, dt), cast_floating(kw, dt)),
+                                    with_kwargs=True)
+        m.register_forward_hook(lambda m, a, out: cast_floating(out, compute_dtype))
+
+
+def replace_parameters(model: nn.Module, units: list, owner: Any) -> None:
+    """Register each unit's ``shard`` as ``<unit.module>.flat_shard``; its ``params`` stop being parameters.
+
+    ``units``: objects with ``module``, ``shard``, ``params`` and ``names`` (fsdp.py's ``Unit``);
+    ``owner``: the wrapper, told by ``guard_optimizers`` which optimizers step its shards (it gets
+    ``owner._optimizers``, a WeakSet) and when (it calls ``owner._sample()`` after each step).
+    """
+    owner._optimizers = weakref.WeakSet()
+    where = {m: n for n, m in model.named_modules()}
+    for u in units:
+        if hasattr(u.module, "flat_shard"):
+            raise ValueError(f"{where[u.module] or 'the root'} already has a flat_shard: wrap a model once")
+        u.module.register_parameter("flat_shard", u.shard)
+        u.shard._flat_shard_of = weakref.ref(owner)
+        for p, name in zip(u.params, u.names):  # what an optimizer still holding p is told
+            p._replaced_by = (name, f"{where[u.module]}.flat_shard".lstrip("."))
+    sharded = {p for u in units for p in u.params}
+    for m in model.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and p in sharded:  # a plain attribute now: the view forward computes with
+                del m._parameters[name]
+                object.__setattr__(m, name, p)
+    guard_optimizers()
+
+
+def _owners(optimizer: torch.optim.Optimizer) -> set:
+    refs = {getattr(p, "_flat_shard_of", None) for g in optimizer.param_groups for p in g["params"]}
+    return {r() for r in refs if r is not None} - {None}
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for p in (p for g in optimizer.param_groups for p in g["params"]):
+        if (replaced := getattr(p, "_replaced_by", None)) is not None:
+            raise RuntimeError(f"this optimizer holds {replaced[0]!r} {tuple(p.shape)}, which FullyShardedDataParallel "
+                               f"replaced by {replaced[1]!r}: it would never get a gradient. Build the optimizer after "
+                               f"wrapping, on fsdp.parameters()")
+    for owner in _owners(optimizer):
+        owner._optimizers.add(optimizer)  # so its memory_bytes() counts this optimizer's state
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for owner in _owners(optimizer):
+        owner._sample()  # the optimizer state the step may just have created
+
+
+_HOOKS: list = []
+
+
+def guard_optimizers() -> None:
+    """Once per process: every torch optimizer's ``step`` checks its parameters (a global step hook)."""
+    if not _HOOKS:
+        _HOOKS.extend([register_optimizer_step_pre_hook(_before_step), register_optimizer_step_post_hook(_after_step)])

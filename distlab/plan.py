@@ -1,0 +1,387 @@
+"""The planner: which parallelism fits a model on a cluster, and what each costs, by the course's formulas.
+
+    python -m distlab.plan --params 7e9 --layers 32 --hidden 4096 --seq 4096 --gpus 64 --gpu-mem 80
+    python -m distlab.plan --preset llama-7b --gpus 64 --gpu-mem 80
+    python -m distlab.plan --preset gpt2-small --gpus 8 --gpu-mem 24 --tp 1
+    python -m distlab.plan --preset mixtral-8x7b --gpus 64 --ep 8
+
+For every way of writing --gpus as dp x tp x pp x cp (tp within a node, experts sharded ep
+ways inside dp), with DDP or ZeRO-1/2/3 on the data-parallel axis and with or without
+recomputation, it computes per rank the bytes of parameters, gradients, optimizer state
+and activations, and the bytes each rank sends per step on each axis, then ranks the
+plans that fit in --gpu-mem by an estimated step time (compute, bubble, communication).
+
+The model is the course's TinyGPT at any size (GPT-2 blocks: separate q/k/v, 4h MLP with
+GELU, LayerNorms, learned positions; ``--experts E`` turns every MLP into the course's
+mixture of experts, ReLU experts without biases). ``--params`` rescales the architecture's
+parameter count to the given total. Memory and bytes are the formulas of
+phase5_large_models/guidelines.md#planner, which tests/test_plan.py checks against what the
+course's own implementations (DDP, ZeRO, FSDP, tensor parallel, 1F1B, ring attention, MoE)
+measure at small scale; the step time is an estimate from --tflops and the bandwidths.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+
+from distlab.metrics import format_table
+
+GB = 1e9
+PRESETS = {  # name -> Model fields (+ params: the published total)
+    "gpt2-small": dict(layers=12, hidden=768, heads=12, vocab=50257, seq=1024),
+    "gpt2-xl": dict(layers=48, hidden=1600, heads=25, vocab=50257, seq=1024),
+    "llama-7b": dict(layers=32, hidden=4096, heads=32, vocab=32000, seq=4096, ffn=11008, tied=False, params=6.74e9),
+    "llama-70b": dict(layers=80, hidden=8192, heads=64, vocab=32000, seq=4096, ffn=28672, tied=False, params=70e9),
+    "mixtral-8x7b": dict(layers=32, hidden=4096, heads=32, vocab=32000, seq=4096, ffn=14336, tied=False,
+                         experts=8, top_k=2, params=46.7e9),
+}
+
+
+@dataclass(frozen=True)
+class Model:
+    """A GPT: ``layers`` blocks of width ``hidden``, ``heads`` heads, ``ffn`` MLP width (0: 4 x hidden)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq: int
+    ffn: int = 0
+    experts: int = 1          # > 1: every MLP is a top-k mixture of this many experts
+    top_k: int = 1
+    tied: bool = True         # LM head tied to the token embedding
+    params: float | None = None  # rescale the architecture's count to this total
+
+    @property
+    def f(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    def counts(self) -> dict[str, float]:
+        """Parameters by part; "*_split" parts are divided by tensor parallelism, the rest replicated."""
+        h, f, V, E = self.hidden, self.f, self.vocab, self.experts
+        per_layer = {"attn_split": 4 * h * h + 3 * h, "attn_rep": h, "ln": 4 * h}
+        if E > 1:  # the course's Experts: w1 [E, h, f], w2 [E, f, h]; router Linear(h, E, bias=False)
+            per_layer.update(experts=2 * h * f * E, router=h * E)
+        else:      # fc (weight, bias) column-parallel, proj row-parallel (its bias replicated)
+            per_layer.update(mlp_split=2 * h * f + f, mlp_rep=h)
+        c = {k: v * self.layers for k, v in per_layer.items()}
+        c.update(embed_split=V * h, pos=self.seq * h, ln_f=2 * h, head_split=0 if self.tied else V * h)
+        if self.params:
+            scale = self.params / sum(c.values())
+            c = {k: v * scale for k, v in c.items()}
+        return c
+
+
+@dataclass(frozen=True)
+class Train:
+    """One step: ``global_batch`` sequences in micro-batches of ``micro_batch`` per data-parallel rank."""
+
+    micro_batch: int = 1
+    global_batch: int = 512
+    dtype_bytes: int = 2       # e: parameters, gradients and activations (2: bf16)
+    optimizer_bytes: int = 12  # K per parameter: fp32 master + Adam's two moments (ZeRO paper); fp32 AdamW: 8
+
+
+@dataclass(frozen=True)
+class Plan:
+    """dp x tp x pp x cp ranks; ep divides dp; zero: 0 = DDP, 1-3 = ZeRO stage."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    recompute: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def name(self) -> str:
+        """ "ZeRO-1 DP8 x TP4 x PP2 + recompute": the data-parallel flavour first, then the other axes."""
+        dp = ("DDP" if self.zero == 0 else f"ZeRO-{self.zero}") + (f" DP{self.dp}" if self.dp > 1 else "")
+        parts = [] if self.dp == 1 and self.zero == 0 else [dp]
+        parts += [f"{k}{v}" for k, v in (("TP", self.tp), ("PP", self.pp), ("CP", self.cp), ("EP", self.ep)) if v > 1]
+        return " x ".join(parts or ["one GPU"]) + (" + recompute" if self.recompute else "")
+
+
+@dataclass
+class Estimate:
+    """Per rank (one pipeline stage): bytes held and bytes sent per step, by axis."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float            # no recomputation: every layer's saved tensors
+    activations_recompute: float  # each layer keeps its input; one layer's insides during its backward
+    layer_activations: float      # one layer's saved tensors, one micro-batch
+    comm: dict[str, float]        # axis -> bytes this rank sends per step (ring estimate, as CommLedger.wire_bytes)
+    bubble: float
+    microbatches: int
+    recompute: bool = False
+
+    @property
+    def total(self) -> float:
+        act = self.activations_recompute if self.recompute else self.activations
+        return self.params + self.grads + self.optimizer + act
+
+
+def _ring(w: int) -> float:
+    return (w - 1) / w
+
+
+def estimate(model: Model, plan: Plan, train: Train, stage: int = 0) -> Estimate:
+    """Memory and communication of pipeline stage ``stage`` (any rank of it) under ``plan``."""
+    L, h, a, V, s = model.layers, model.hidden, model.heads, model.vocab, model.seq
+    f, E, k = model.f, model.experts, model.top_k
+    t, p, c, ep, dp = plan.tp, plan.pp, plan.cp, plan.ep, plan.dp
+    e, b = train.dtype_bytes, train.micro_batch
+    m = train.global_batch // (b * dp)
+    first, last, layers = stage == 0, stage == p - 1, L // p
+    cnt = model.counts()
+    # --- parameters this rank holds (elements): tensor-, pipeline- and expert-parallel splits
+    per_layer = {key: v / L for key, v in cnt.items() if key in ("attn_split", "attn_rep", "ln", "mlp_split",
+                                                                 "mlp_rep", "router", "experts")}
+    dense = layers * sum(v / t if key.endswith("_split") else v for key, v in per_layer.items() if key != "experts")
+    expert = layers * per_layer.get("experts", 0) / ep
+    if first:
+        dense += cnt["embed_split"] / t + cnt["pos"]
+    if last:  # a tied head on another stage than the embedding is a copy (Megatron's)
+        dense += cnt["ln_f"] + (cnt["head_split"] or (cnt["embed_split"] if p > 1 else 0)) / t
+    D, De = dp * c, dp * c // ep   # ranks holding the same dense / expert parameters
+    shard = {0: (1, 1, 1), 1: (1, 1, D), 2: (1, D, D), 3: (D, D, D)}[plan.zero]
+    shard_e = {0: (1, 1, 1), 1: (1, 1, De), 2: (1, De, De), 3: (De, De, De)}[plan.zero]
+    params, grads, opt = (dense / x + expert / y for x, y in zip(shard, shard_e))
+    # --- activations of one micro-batch (bytes): n tokens on this rank (phase 2's per-block count)
+    n = b * s / c
+    # dense MLP: fc and GELU outputs; MoE: router probabilities, gates, and per slot the dispatched,
+    # returned and weighted rows and the expert's ReLU output (+ 32k bytes of int64 indices)
+    mlp = 2 * f / t if E == 1 else E + k + k * (3 * h + f)
+    # LayerNorms' inputs and outputs, q, k, v, attention output; LN mean/rstd (fp32), log-sum-exp per head
+    layer = n * (e * (4 * h + 4 * h / t + mlp) + 16 + 4 * a / t + (32 * k if E > 1 else 0))
+    ends = 0.0
+    if first:  # token ids (8 bytes; + a 1-byte mask for the vocab-parallel lookup) and positions
+        ends += n * (8 + (t > 1)) + 8 * s / c
+    if last:   # ln_f and head inputs, log-softmax (vocab-parallel: exp and shifted logits), targets
+        ends += n * (2 * e * h + 8 + (e * V / t + 8 if t == 1 else 2 * e * V / t + e + 9))
+    in_flight = min(p - stage, m)  # 1F1B: stage s holds min(p - s, m) micro-batches
+    activations = in_flight * (layers * layer + ends)
+    activations_recompute = in_flight * (layers * n * e * h + ends) + layer
+    # --- bytes sent per step, each axis (ring estimate: all-reduce 2(W-1)/W, gather/scatter (W-1)/W)
+    factor = {0: 2, 1: 3, 2: m + 1, 3: 3 * m}[plan.zero]  # per step: DDP; ZeRO-1 all-reduce + all-gather; ...
+    comm = {"dp": factor * e * (_ring(D) * dense + _ring(De) * expert)}
+    tp_calls = layers * 4 + first + last  # 2 all-reduces per block each way; embedding fwd; head bwd
+    comm["tp"] = m * _ring(t) * 2 * e * (tp_calls * n * h + (3 * n if last else 0))
+    comm["pp"] = m * n * h * e * ((not first) + (not last)) if p > 1 else 0.0
+    kv = 2 * b * (h / t) * s  # K and V of the whole sequence, elements
+    comm["cp"] = m * layers * (2 * kv * _ring(c) * e + kv * max(e, 4)) if c > 1 else 0.0
+    comm["ep"] = (m * layers * (4 * k * n * h * e * _ring(ep) + (ep - 1) * k * E * 8 + _ring(ep) * E * 8)
+                  if ep > 1 else 0.0)
+    bubble = (p - 1) / (m + p - 1)
+    return Estimate(e * params, e * grads, train.optimizer_bytes * opt, activations, activations_recompute,
+                    layer, comm, bubble, m, plan.recompute)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpu_mem_gb: float = 80.0
+    gpus_per_node: int = 8
+    tflops: float = 400.0      # achieved per GPU (bf16 dense peak is ~1000 on an H100)
+    intra_gbs: float = 450.0   # NVLink, per GPU and direction
+    inter_gbs: float = 50.0    # InfiniBand, 400 Gb/s per GPU
+
+
+def step_time(model: Model, plan: Plan, train: Train, cluster: Cluster, stages: list[Estimate]) -> float:
+    """Estimated seconds per step: compute / (1 - bubble) + communication, nothing overlapped."""
+    cnt = model.counts()
+    active = sum(cnt.values()) - cnt.get("experts", 0) * (1 - model.top_k / model.experts)
+    per_token = 6 * active + 6 * model.layers * model.seq * model.hidden  # matmuls + causal attention
+    flops = per_token * (4 / 3 if plan.recompute else 1) * train.global_batch * model.seq
+    compute = flops / (plan.world_size * cluster.tflops * 1e12)
+    span = {"tp": plan.tp, "cp": plan.tp * plan.cp, "ep": plan.tp * plan.cp * plan.ep,
+            "dp": plan.tp * plan.cp * plan.dp, "pp": plan.world_size}  # ranks: tp fastest, then cp, dp, pp
+    comm = 0.0
+    for axis, nbytes in ((ax, max(s.comm[ax] for s in stages)) for ax in span):
+        gbs = cluster.intra_gbs if span[axis] <= cluster.gpus_per_node else cluster.inter_gbs
+        comm += nbytes / (gbs * GB)
+    return compute / (1 - stages[0].bubble) + comm
+
+
+def check_degrees(model: Model, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> None:
+    """ValueError naming the flag when a degree does not divide what it splits."""
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ValueError(msg)
+    need(model.hidden % model.heads == 0, f"--hidden {model.hidden} is not divisible by --heads {model.heads}")
+    need(1 <= model.top_k <= model.experts, f"--top-k {model.top_k} must be between 1 and --experts {model.experts}")
+    need(model.heads % tp == 0, f"--heads {model.heads} is not divisible by --tp {tp}")
+    need(model.f % tp == 0, f"the MLP width {model.f} (--ffn) is not divisible by --tp {tp}")
+    need(model.experts == 1 or tp == 1, f"--tp {tp} with --experts {model.experts}: tensor parallelism of "
+                                        f"the experts is not modelled; use --tp 1")
+    need(model.layers % pp == 0, f"--layers {model.layers} is not divisible by --pp {pp}")
+    need(cp == 1 or model.seq % (2 * cp) == 0,
+         f"--seq {model.seq} is not divisible by 2 x --cp {cp} = {2 * cp} (the zig-zag split)")
+    need(model.experts % ep == 0, f"--experts {model.experts} is not divisible by --ep {ep}")
+
+
+def check(model: Model, plan: Plan, train: Train) -> None:
+    """ValueError naming the flag when ``plan`` cannot run ``model`` with ``train``'s batch."""
+    check_degrees(model, plan.tp, plan.pp, plan.cp, plan.ep)
+    if plan.dp % plan.ep:
+        raise ValueError(f"--ep {plan.ep} does not divide the data-parallel size {plan.dp} "
+                         f"(experts are sharded inside the data-parallel ranks)")
+    if plan.pp > 1 and plan.zero > 1:
+        raise ValueError(f"--zero {plan.zero} with --pp {plan.pp}: ZeRO-2/3 would communicate every "
+                         f"micro-batch; pipelines use DDP or ZeRO-1")
+    per = train.micro_batch * plan.dp
+    if train.global_batch % per:
+        raise ValueError(f"--global-batch {train.global_batch} is not divisible by --micro-batch "
+                         f"{train.micro_batch} x data-parallel size {plan.dp} = {per}")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plans(model: Model, train: Train, cluster: Cluster, fixed: dict) -> list[Plan]:
+    """Every valid plan over ``cluster.gpus``, with the degrees in ``fixed`` (tp, pp, ...) held."""
+    W, out = cluster.gpus, []
+    pick = lambda key, options: [fixed[key]] if fixed.get(key) is not None else options  # noqa: E731
+    for tp in pick("tp", [d for d in divisors(W) if d <= cluster.gpus_per_node]):
+        for pp in pick("pp", divisors(W // tp) if W % tp == 0 else []):
+            for cp in pick("cp", divisors(W // (tp * pp)) if W % (tp * pp) == 0 else []):
+                if W % (tp * pp * cp):
+                    continue
+                dp = W // (tp * pp * cp)
+                for ep in pick("ep", [d for d in divisors(dp) if model.experts % d == 0]):
+                    for zero in pick("zero", [0, 1, 2, 3] if dp * cp > 1 else [0]):
+                        for rc in pick("recompute", [False, True]):
+                            plan = Plan(dp, tp, pp, cp, ep, zero, rc)
+                            try:
+                                check(model, plan, train)
+                            except ValueError:
+                                continue
+                            out.append(plan)
+    return out
+
+
+def evaluate(model: Model, plan: Plan, train: Train, cluster: Cluster) -> dict:
+    stages = [estimate(model, plan, train, s) for s in range(plan.pp)]
+    worst = max(stages, key=lambda x: x.total)
+    return {"plan": plan, "est": worst, "comm": sum(max(s.comm[ax] for s in stages) for ax in worst.comm),
+            "fits": worst.total <= cluster.gpu_mem_gb * GB, "time": step_time(model, plan, train, cluster, stages)}
+
+
+def _row(r: dict) -> dict:
+    est, g = r["est"], lambda x: f"{x / GB:.1f}"
+    return {"plan": r["plan"].name(), "params": g(est.params), "grads": g(est.grads), "optim": g(est.optimizer),
+            "act": g(est.activations), "act (recompute)": g(est.activations_recompute), "total GB": g(est.total),
+            "fits": "yes" if r["fits"] else "no", "sent/step GB": g(r["comm"]),
+            "bubble": f"{est.bubble:.1%}" if r["plan"].pp > 1 else "-", "step s (est.)": f"{r['time']:.2f}"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m distlab.plan", description=__doc__.splitlines()[0],
+                                 usage="%(prog)s (--preset NAME | --layers L --hidden H --seq S) --gpus N [options]")
+    ap.add_argument("--preset", choices=sorted(PRESETS))
+    for name, kind in (("params", float), ("layers", int), ("hidden", int), ("heads", int), ("vocab", int),
+                       ("seq", int), ("ffn", int), ("experts", int), ("top-k", int)):
+        ap.add_argument(f"--{name}", type=kind)
+    ap.add_argument("--untied", action="store_true", help="LM head not tied to the embedding")
+    ap.add_argument("--gpus", type=int, required=True)
+    ap.add_argument("--gpu-mem", type=float, default=80.0, help="GB per GPU")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    ap.add_argument("--global-batch", type=int, default=512, help="sequences per step, all ranks")
+    ap.add_argument("--dtype-bytes", type=int, default=2, help="bytes per parameter, gradient, activation")
+    ap.add_argument("--optimizer-bytes", type=int, default=12, help="optimizer bytes per parameter (K)")
+    for axis in ("tp", "pp", "cp", "ep"):
+        ap.add_argument(f"--{axis}", type=int, help=f"hold the {axis} degree")
+    ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="0: DDP; 1-3: ZeRO stage")
+    ap.add_argument("--recompute", choices=["yes", "no"])
+    ap.add_argument("--tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU")
+    ap.add_argument("--intra-gbs", type=float, default=450.0, help="GB/s inside a node")
+    ap.add_argument("--inter-gbs", type=float, default=50.0, help="GB/s across nodes")
+    ap.add_argument("--top", type=int, default=10, help="feasible plans to print")
+    return ap
+
+
+def _model(args: argparse.Namespace) -> Model:
+    """The preset, overridden by the flags given; ValueError naming a missing or bad flag."""
+    fields = dict(PRESETS.get(args.preset, {}))
+    fields.update({k: getattr(args, k) for k in ("params", "layers", "hidden", "heads", "vocab", "seq", "ffn",
+                                                   "experts", "top_k") if getattr(args, k) is not None})
+    if args.untied:
+        fields["tied"] = False
+    for key in ("layers", "hidden", "seq"):
+        if key not in fields:
+            raise ValueError(f"--{key} is required (or a --preset)")
+    fields.setdefault("heads", max(1, fields["hidden"] // 128))
+    fields.setdefault("vocab", 32000)
+    for key, value in fields.items():
+        if key != "tied" and value <= 0:
+            raise ValueError(f"--{key.replace('_', '-')} must be positive, got {value}")
+    return Model(**fields)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Print the tables; return the feasible plans, best first (``evaluate``'s dicts)."""
+    ap = _parser()
+    args = ap.parse_args(argv)
+    fixed = {k: getattr(args, k) for k in ("tp", "pp", "cp", "ep", "zero")}
+    fixed["recompute"] = None if args.recompute is None else args.recompute == "yes"
+    try:
+        for key in ("gpus", "micro_batch", "global_batch", "gpu_mem", "tp", "pp", "cp", "ep"):
+            if getattr(args, key) is not None and getattr(args, key) <= 0:
+                raise ValueError(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
+        model = _model(args)
+        check_degrees(model, *(fixed[k] or 1 for k in ("tp", "pp", "cp", "ep")))
+        held = math.prod(fixed[k] or 1 for k in ("tp", "pp", "cp"))
+        if args.gpus % held:
+            raise ValueError(f"--gpus {args.gpus} is not divisible by --tp {fixed['tp'] or 1} x --pp "
+                             f"{fixed['pp'] or 1} x --cp {fixed['cp'] or 1} = {held}")
+        train = Train(args.micro_batch, args.global_batch, args.dtype_bytes, args.optimizer_bytes)
+        if all(fixed[k] is not None for k in ("tp", "pp", "cp")):  # one split: say exactly what is wrong
+            check(model, Plan(args.gpus // held, fixed["tp"], fixed["pp"], fixed["cp"], fixed["ep"] or 1,
+                              fixed["zero"] or 0), train)
+        cluster = Cluster(args.gpus, args.gpu_mem, args.gpus_per_node, args.tflops, args.intra_gbs, args.inter_gbs)
+        found = plans(model, train, cluster, fixed)
+        if not found:
+            raise ValueError(f"no plan splits --gpus {args.gpus} for this model with {fixed}; check that "
+                             f"--heads, --layers, --seq, --experts and --global-batch divide")
+    except ValueError as exc:
+        ap.error(str(exc))
+    results = [evaluate(model, p, train, cluster) for p in found]
+    print(f"model: {sum(model.counts().values()):.3g} parameters, {model.layers} layers, hidden {model.hidden}, "
+          f"{model.heads} heads, vocab {model.vocab}, seq {model.seq}"
+          + (f", {model.experts} experts top-{model.top_k}" if model.experts > 1 else ""))
+    print(f"step: {train.global_batch} sequences in micro-batches of {train.micro_batch}; {train.dtype_bytes}-byte "
+          f"params/grads/activations, {train.optimizer_bytes} optimizer bytes per parameter; {args.gpus} GPUs x "
+          f"{args.gpu_mem:g} GB, {args.gpus_per_node} per node")
+    alone = {}  # one axis takes every GPU (experts, if any, sharded over all of them or none)
+    for r in results:
+        pl = r["plan"]
+        if (pl.recompute == bool(fixed["recompute"]) and args.gpus in (pl.dp, pl.tp, pl.pp, pl.cp)
+                and pl.ep in (1, pl.dp)):
+            alone.setdefault(pl.name(), r)
+    if alone:
+        print(f"\neach strategy alone over {args.gpus} GPUs (per rank; the fullest pipeline stage):")
+        print(format_table([_row(r) for r in alone.values()]))
+    feasible = sorted((r for r in results if r["fits"]), key=lambda r: r["time"])
+    print(f"\n{len(feasible)} of {len(results)} plans fit in {args.gpu_mem:g} GB; the best by estimated step time:")
+    if feasible:
+        print(format_table([_row(r) for r in feasible[:args.top]]))
+    else:
+        best = min(results, key=lambda r: r["est"].total)
+        print(f"none: the smallest needs {best['est'].total / GB:.1f} GB per GPU ({best['plan'].name()})")
+    print("\nformulas: phase5_large_models/guidelines.md#planner; sent/step = bytes each rank sends per step, "
+          "ring estimate; step time = compute / (1 - bubble) + communication, no overlap assumed")
+    return feasible
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

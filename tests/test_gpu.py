@@ -1,0 +1,188 @@
+"""The GPU tier (``pytest -m gpu``): NCCL and CUDA tensors, checked against the single process.
+
+The default suite runs gloo on CPU tensors; these tests run only when ``-m gpu`` selects
+them (otherwise they skip at once), and skip with "needs N CUDA devices" on a machine
+with fewer GPUs than they need. With one GPU: NCCL at world size 1 (the device map
+"cpu:gloo,cuda:nccl", the course's collectives, ring and data-parallel steps on it), every
+RUN_MODE but the parameter server's on it, and several ranks sharing the GPU on gloo with
+CUDA tensors (all_reduce, all_gather, broadcast: the collectives gloo runs on CUDA).
+"""
+from __future__ import annotations
+
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distlab.launch import run_distributed
+from distlab.loader import load
+
+pytestmark = pytest.mark.gpu
+NCCL = "cpu:gloo,cuda:nccl"  # what init_from_env gives a CUDA job: CPU control messages keep gloo
+
+
+@pytest.fixture(autouse=True)
+def _only_when_selected(request):
+    if "gpu" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("the GPU tier: run it with pytest -m gpu")
+
+
+def needs_gpus(n: int):
+    return pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} CUDA device{'s' * (n > 1)}")
+
+
+# --------------------------------------------------------------------------- NCCL, world size 1
+def _worker_collectives(rank, world_size):
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert "nccl" in dist.get_backend() and device.index == rank
+    collectives, ring = load("phase1_data_parallel", "collectives"), load("phase3_multi_node", "ring_allreduce")
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(0)).to(device)  # 1001: not a multiple of W
+    fns = {**collectives.STRATEGIES, "ring": ring.ring_allreduce, "ring pipelined": ring.ring_allreduce_pipelined,
+           "dist.all_reduce": lambda t, op="sum": dist.all_reduce(t) if op == "sum" else
+           dist.all_reduce(t, op=dist.ReduceOp.AVG)}
+    failures = []
+    for name, fn in fns.items():
+        for op in ("sum", "avg"):
+            got = x.clone()
+            fn(got, op=op)
+            # One rank: the sum (and the mean) over the ranks is the tensor itself, bit for bit.
+            if got.device != device or not torch.equal(got, x):
+                failures.append(f"{name} ({op}) on {got.device}: max diff {(got.cpu() - x.cpu()).abs().max():.1e}")
+    return failures
+
+
+@needs_gpus(1)
+def test_nccl_collectives_and_ring_match_the_single_process():
+    assert run_distributed(_worker_collectives, 1, backend=NCCL, timeout_s=120) == [[]]
+
+
+def _mlp(device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)).to(device)
+
+
+def _worker_training_steps(rank, world_size):
+    device = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 16, generator=g).to(device), torch.randint(4, (8,), generator=g).to(device))
+               for _ in range(3)]
+    reference = _mlp(device)  # the single process: plain SGD with momentum on the same batches
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        opt.step()
+    expected = {k: v.detach() for k, v in reference.state_dict().items()}
+
+    def ddp_bucketed(model):
+        wrapped = load("phase3_multi_node", "ddp_bucketed").DDPBucketed(model, bucket_size_mb=0.001)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def step(x, y):
+            opt.zero_grad()
+            F.cross_entropy(wrapped(x), y).backward()
+            wrapped.finish_gradient_synchronization()
+            opt.step()
+        return step
+
+    def zero(stage):
+        def make(model):
+            zero_opt = load("phase3_multi_node", "zero").ZeroOptimizer(
+                model.parameters(), torch.optim.SGD, stage=stage, bucket_size_mb=0.001, lr=0.1, momentum=0.9)
+
+            def step(x, y):
+                zero_opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                zero_opt.step()
+            return step
+        return make
+
+    def torch_ddp(model):
+        wrapped = nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def step(x, y):
+            opt.zero_grad()
+            F.cross_entropy(wrapped(x), y).backward()
+            opt.step()
+        return step
+
+    failures = []
+    for name, make in {"DDPBucketed": ddp_bucketed, "ZeRO-1": zero(1), "ZeRO-2": zero(2),
+                       "torch DDP": torch_ddp}.items():
+        model = _mlp(device)
+        step = make(model)
+        for x, y in batches:
+            step(x, y)
+        for k, v in model.state_dict().items():
+            # One rank: the same float32 ops on the same GPU; only the optimizer's kernels
+            # (per tensor vs one flat shard) may round differently, by ~1e-7.
+            if v.device != device or not torch.allclose(v, expected[k], rtol=1e-5, atol=1e-6):
+                failures.append(f"{name}: {k} on {v.device} differs by {(v - expected[k]).abs().max():.1e}")
+    fsdp = load("phase3_multi_node", "fsdp").FullyShardedDataParallel(_mlp(device), torch.optim.SGD, lr=0.1,
+                                                                     momentum=0.9)
+    for x, y in batches:
+        fsdp.zero_grad()
+        F.cross_entropy(fsdp(x), y).backward()
+        fsdp.step()
+    full = load("phase3_multi_node", "fsdp_state").full_state_dict(fsdp)
+    for k, v in expected.items():
+        if not torch.allclose(full[k].to(device), v, rtol=1e-5, atol=1e-6):  # as above
+            failures.append(f"FSDP (ZeRO-3): {k} differs by {(full[k].to(device) - v).abs().max():.1e}")
+    return failures
+
+
+@needs_gpus(1)
+def test_nccl_ddp_and_zero_steps_match_the_single_process():
+    assert run_distributed(_worker_training_steps, 1, backend=NCCL, timeout_s=180) == [[]]
+
+
+def _worker_every_mode(rank, world_size, runs):
+    import importlib
+
+    done = []
+    for mode, module, argv in runs:
+        importlib.import_module(module).main(argv)
+        torch.cuda.synchronize()
+        done.append(mode)
+    return done
+
+
+@needs_gpus(1)
+def test_every_mode_runs_on_one_gpu_with_nccl(tmp_path):
+    """Every RUN_MODE's main on cuda:0 with NCCL, as ``NPROC=1 RUN_MODE=... ./entrypoint.sh`` on a GPU node
+    (but the parameter server's: with one rank it starts a CPU world of its own)."""
+    from test_devices import entrypoint_modes, tiny_runs
+
+    modes = entrypoint_modes()
+    runs = [(m, modes[m], argv) for m, argv in tiny_runs(str(tmp_path), 1) if m != "parameter_server"]
+    done = run_distributed(_worker_every_mode, 1, runs, backend=NCCL, timeout_s=600)[0]
+    assert set(done) == set(modes) - {"parameter_server"}
+
+
+# --------------------------------------------------------------------------- CUDA tensors on gloo, several ranks
+def _worker_cuda_on_gloo(rank, world_size):
+    from distlab.launch import init_from_env
+
+    env = init_from_env()  # DISTLAB_DEVICE=cuda: the ranks share the GPUs there are
+    assert env.device.type == "cuda" and env.backend == "gloo", env
+    x = torch.arange(5.0, device=env.device) + rank
+    expected = sum(torch.arange(5.0) + r for r in range(world_size))  # the single process's sum
+    got = x.clone()
+    dist.all_reduce(got)
+    out = [torch.empty_like(x) for _ in range(world_size)]
+    dist.all_gather(out, x)
+    b = x.clone()
+    dist.broadcast(b, src=0)
+    # Integer-valued floats: every sum is exact whatever the order.
+    return [got.device == env.device and torch.equal(got.cpu(), expected),
+            all(torch.equal(o.cpu(), torch.arange(5.0) + r) for r, o in enumerate(out)),
+            torch.equal(b.cpu(), torch.arange(5.0))]
+
+
+@needs_gpus(1)
+def test_cuda_tensors_on_gloo_with_several_ranks(monkeypatch):
+    monkeypatch.setenv("DISTLAB_DEVICE", "cuda")
+    assert run_distributed(_worker_cuda_on_gloo, 3, backend="gloo", timeout_s=120) == [[True] * 3] * 3
