@@ -202,7 +202,9 @@ class Engine:
             from torch.distributed.fsdp import fully_shard
 
             mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # FSDP2 shards on its device
-            for m in model.modules():  # one FSDP unit per residual stage / encoder block
+            # one FSDP unit per residual stage / encoder block; inner ones first (FSDP2 shards
+            # a module after the modules nested in it)
+            for m in reversed(list(model.modules())):
                 if m is not model and type(m).__name__ in ("Sequential", "EncoderBlock") and \
                         any(p.requires_grad for p in m.parameters()):
                     fully_shard(m, mesh=mesh)

@@ -33,14 +33,17 @@ def _final_model(directory: Path) -> dict:
     return ckpt.load(0)["engine"]["model"]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "ours", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("strategy", ["ddp", "ours", "zero1", "zero2", "zero3", "fsdp"])
 def test_capstone_trains_and_checkpoints_with_each_strategy(strategy, tmp_path):
-    args = ["--strategy", strategy.rstrip("123"), "--checkpoint-dir", str(tmp_path)]
+    # torch's FSDP2 saves through torch.distributed.checkpoint, not this script's checkpoints
+    saves = strategy != "fsdp"
+    args = ["--strategy", strategy.rstrip("123")] + (["--checkpoint-dir", str(tmp_path)] if saves else [])
     if strategy.startswith("zero"):
         args += ["--zero-stage", strategy[-1]]
     results = run_distributed(_worker_capstone, 2, args, timeout_s=120)
     assert all(0 <= r["accuracy"] <= 1 and r["loss"] == r["loss"] for r in results)
-    assert load("phase4_production", "checkpoint").CheckpointManager(tmp_path).latest().step == 6
+    if saves:
+        assert load("phase4_production", "checkpoint").CheckpointManager(tmp_path).latest().step == 6
 
 
 def test_capstone_resume_is_bit_identical_and_elastic(tmp_path):
