@@ -17,7 +17,9 @@ One script, from a laptop smoke run to a multi-node GPU job:
 * mixed precision (``--amp bf16|fp16``), gradient compression (``--compression``),
   SyncBatchNorm, linear warm-up then cosine decay, DataLoader workers;
 * crash-safe checkpoints every ``--checkpoint-every`` steps and on exit, resumed
-  automatically (at any world size that divides the global batch, with ddp/ours);
+  automatically (at any world size that divides the global batch, with ddp/ours) from the
+  newest one that loads: one that verifies but does not load (another model's, one that
+  ``weights_only`` refuses) is skipped with a warning, and the one before it is taken;
 * monitoring: per-step time split into data / compute / optimizer, throughput, and a
   summary table at the end.
 
@@ -29,10 +31,12 @@ See phase4_production/guidelines.md#capstone and solutions/phase4_production/REA
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +51,8 @@ from distlab.todo import run_demo
 
 STRATEGIES = ("ddp", "ours", "zero", "fsdp")
 MODELS = ("resnet18", "resnet50", "vit_b_16", "vit_tiny")
+_FSDP2_CHECKPOINTS = ("--checkpoint-dir with --strategy fsdp: torch's FSDP2 saves through "
+                      "torch.distributed.checkpoint; use ddp, ours or zero for this script's checkpoints")
 
 
 @dataclass
@@ -91,6 +97,8 @@ class Config:
         if self.offload_optimizer != "none" and (self.strategy != "zero" or self.zero_stage == 3):
             raise ValueError(f"--offload-optimizer {self.offload_optimizer}: ZeRO-Offload needs --strategy zero "
                              f"--zero-stage 1 or 2, not {self.strategy} stage {self.zero_stage}")
+        if self.checkpoint_dir and self.strategy == "fsdp":  # said before training, not at the first save
+            raise ValueError(_FSDP2_CHECKPOINTS)
         if self.compression != "none" and self.strategy != "ddp":
             raise ValueError(f"--compression {self.compression} is a DDP communication hook: "
                              f"use it with --strategy ddp, not {self.strategy}")
@@ -230,8 +238,7 @@ class Engine:
             return {"model": self.model.state_dict(), "zero": self.zero.sharded_state_dict()}
         if self.kind == "zero":
             return {"fsdp": self.fsdp_state.sharded_state_dict(self.model, self.optimizer)}
-        raise ValueError("--checkpoint-dir with --strategy fsdp: torch's FSDP2 saves through "
-                         "torch.distributed.checkpoint; use ddp, ours or zero for this script's checkpoints")
+        raise ValueError(_FSDP2_CHECKPOINTS)
 
     def load_state_dict(self, state: dict) -> None:
         if self.kind in ("ddp", "ours"):
@@ -296,12 +303,59 @@ def evaluate(model: nn.Module, dataset: Dataset, device: torch.device, rank: int
     return (counts[0] / counts[1]).item()
 
 
+def resume(manager: Any, engine: Engine, scheduler: Any, sampler: Any, env: Any, checkpoint: Any) -> Any:
+    """Load the newest checkpoint of ``manager`` that loads into this run and return it; None: none does.
+
+    A checkpoint that verifies can still fail to load: another model's shapes, a file that
+    ``weights_only`` refuses, another world size that ``--strategy zero`` cannot reshard.
+    ``manager.restore`` (distlab/resume.py) then warns, naming the directory and the reason, and
+    tries the one before; every rank takes the same one. A checkpoint is loaded whole or not at
+    all: each try starts from the state at step 0 (a snapshot taken before the first), because a
+    failed one may stop part-way (``load_state_dict`` copies every tensor whose shape fits before
+    it raises) or load on this rank and fail on another; a run that takes none is put back at step 0.
+    What a checkpoint holds: the engine (model, optimizer or ZeRO/FSDP shards), the LR scheduler,
+    the sampler's position and, at the world size that wrote it, this rank's RNG streams.
+
+    Collective: every rank calls it; one all-reduce per checkpoint tried.
+    """
+    fresh: dict = {}  # step 0: copies, since state_dict() shares the live tensors
+
+    def reset() -> None:
+        state = copy.deepcopy(fresh)  # load_state_dict may keep what it is given: never the snapshot itself
+        engine.load_state_dict(state["engine"])
+        scheduler.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+        checkpoint.restore_rng_state(state["rng"])
+
+    def apply(ckpt) -> None:
+        same_world = ckpt.world_size == env.world_size
+        if not same_world and engine.kind == "zero":
+            raise ValueError(f"written by {ckpt.world_size} ranks; --strategy zero resumes at the same world "
+                             f"size (this job has {env.world_size})")
+        if fresh:
+            reset()
+        else:
+            fresh.update(copy.deepcopy({"engine": engine.state_dict(), "scheduler": scheduler.state_dict(),
+                                        "sampler": sampler.state_dict()}), rng=checkpoint.capture_rng_state())
+        state = ckpt.load(env.rank if same_world else 0, map_location=env.device)  # ddp/ours: replicated
+        engine.load_state_dict(state["engine"])
+        scheduler.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+        if same_world:  # the streams are per rank: at another world size they start from the seed
+            checkpoint.restore_rng_state(state["rng"])
+
+    found = manager.restore(apply)
+    if found is None and fresh:
+        reset()
+    return found
+
+
 def train(cfg: Config) -> dict:
     from distlab.launch import init_from_env, shutdown
     from distlab.metrics import StepTimer, format_table, log0, progress, sync_device
     checkpoint, elastic = load("phase4_production", "checkpoint"), load("phase4_production", "elastic")
     CheckpointManager, GlobalBatchSampler = checkpoint.CheckpointManager, elastic.GlobalBatchSampler
-    capture_rng_state, restore_rng_state = checkpoint.capture_rng_state, checkpoint.restore_rng_state
+    capture_rng_state = checkpoint.capture_rng_state
 
     env = init_from_env()
     try:
@@ -317,18 +371,18 @@ def train(cfg: Config) -> dict:
         scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lr_lambda(cfg, total))
         manager = CheckpointManager(cfg.checkpoint_dir, cfg.keep) if cfg.checkpoint_dir else None
         step = 0
-        if manager and (ckpt := manager.latest()) is not None:
-            state = ckpt.load(env.rank if ckpt.world_size == env.world_size else 0, map_location=env.device)
-            if ckpt.world_size != env.world_size and cfg.strategy == "zero":
-                raise ValueError(f"checkpoint {ckpt.path} was written by {ckpt.world_size} ranks; --strategy zero "
-                                 f"resumes at the same world size (this job has {env.world_size})")
-            engine.load_state_dict(state["engine"])
-            scheduler.load_state_dict(state["scheduler"])
-            sampler.load_state_dict(state["sampler"])
-            if ckpt.world_size == env.world_size:
-                restore_rng_state(state["rng"])
-            step = state["step"]
-            log0(f"resumed from {ckpt.path} (step {step}, written by {ckpt.world_size} ranks)")
+        if manager:
+            ckpt = resume(manager, engine, scheduler, sampler, env, checkpoint)
+            if ckpt is None:
+                log0(f"no loadable checkpoint in {manager.directory}: starting from step 0")
+            elif ckpt.step > total:  # an error, not a silent return of the later model
+                given = f"--max-steps {cfg.max_steps}" if cfg.max_steps else f"--epochs {cfg.epochs}"
+                raise ValueError(f"{ckpt.path} is at step {ckpt.step}, past the {total} steps of this run ({given}): "
+                                 f"pass --max-steps {ckpt.step} or more to continue that run, or another "
+                                 "--checkpoint-dir to start over")
+            else:
+                step = ckpt.step
+                log0(f"resumed from {ckpt.path} (step {step}, written by {ckpt.world_size} ranks)")
         amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
         scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16")
         timer = StepTimer(env.device)

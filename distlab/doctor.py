@@ -19,14 +19,23 @@ ranks' records into one table whose first lines name the culprit:
 (and on any timeout or crash); under torchrun, ``start_watchdog`` (started by
 ``init_from_env`` when DISTLAB_HANG_TIMEOUT is set) publishes the records to the
 rendezvous store and prints the table when a rank stays blocked that long.
+
+The wrappers never see the collectives torch issues itself (DDP's gradient all-reduces):
+PyTorch's flight recorder does (``distlab.flight_recorder``). Each rank also publishes its
+flight recorder's records, and ``diagnose_all`` uses them when the doctor's own records do
+not explain the hang: no finding, or a rank blocked in a collective the wrappers never saw.
+``python -m distlab.doctor --flight-recorder PREFIX`` reads flight-recorder dump files (what
+NCCL writes on a timeout) and prints the same report.
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import inspect
 import json
 import mmap
 import os
+import pickle
 import sys
 import threading
 import time
@@ -35,7 +44,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from distlab import comm
+from distlab import comm, flight_recorder
 
 SLOTS, SLOT_BYTES = 64, 256  # the last 64 ops per rank, 16 KiB
 HANG_TIMEOUT_ENV = "DISTLAB_HANG_TIMEOUT"
@@ -75,8 +84,7 @@ class Recorder:
             return "WORLD"
         entry = self.groups.get(id(group))
         if entry is None:
-            ranks = dist.get_process_group_ranks(group)
-            key = ",".join(map(str, ranks)) if len(ranks) <= 16 else f"{len(ranks)} ranks from {ranks[0]}"
+            key = flight_recorder.ranks_key(dist.get_process_group_ranks(group))
             entry = self.groups[id(group)] = (group, key)  # holds the group: its id is never reused
         return entry[1]
 
@@ -126,15 +134,39 @@ def read_records(path: str) -> list[dict]:
         return []
 
 
+def flight_recorder_path(path: str) -> str:
+    """Where a rank whose ring buffer is ``path`` keeps its flight recorder's records."""
+    return f"{path}.fr"
+
+
+def write_flight_recorder() -> None:
+    """Write this rank's flight-recorder records now (a rank about to report its result or
+    error: the writer thread may not look again before the process ends)."""
+    if _FLIGHT_WRITER is not None:
+        _FLIGHT_WRITER.flush()
+
+
+def read_flight_recorder(path: str) -> dict | None:
+    """``{"t": time of the dump, "records": [...]}`` for the rank whose ring buffer is ``path``."""
+    return flight_recorder.read(flight_recorder_path(path))
+
+
 # --------------------------------------------------------------------------- recording wrappers
 _RECORDER: Recorder | None = None
+_FLIGHT_WRITER: flight_recorder.FileWriter | None = None
 
 
 def install(rank: int, path: str | None = None) -> Recorder:
-    """Record this process's communication from now on (once per process)."""
-    global _RECORDER
+    """Record this process's communication from now on (once per process).
+
+    With a ``path``, a thread also keeps this rank's flight-recorder records in
+    ``flight_recorder_path(path)`` (see ``flight_recorder.Publisher``).
+    """
+    global _RECORDER, _FLIGHT_WRITER
     if _RECORDER is None:
         _RECORDER = Recorder(rank, path)
+        if path:
+            _FLIGHT_WRITER = flight_recorder.FileWriter(flight_recorder_path(path))
         for op, arg in _OPS.items():
             original = getattr(dist, op, None)
             if original is not None:
@@ -216,14 +248,21 @@ def _ranks(ranks) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
+def _pending(recs: list[dict]) -> dict | None:
+    """The op a rank waits in: its last record, not done and not async."""
+    last = recs[-1] if recs else None
+    return last if last and last["t1"] is None and not last["async"] else None
+
+
 def diagnose(records: dict[int, list[dict]], states: dict[int, str], world_size: int,
-             now: float | None = None) -> tuple[list[str], str]:
+             now: float | None = None, unknown=()) -> tuple[list[str], str]:
     """Merge the ranks' records into findings (who never arrived, which sizes differ) and a table.
 
     Args:
         records: rank -> its ring buffer (``Recorder.records()``), oldest first.
         states: rank -> what the launcher knows ("running", "stopped (SIGSTOP)", "returned",
             "died (signal 6)", ...); ranks missing here are "running".
+        unknown: ranks whose records are missing, not empty: never named as absent.
     Returns:
         (findings, table): findings name the culprit first; empty when nothing is wrong with
         the records (every rank in the same op, sizes equal: slow, not stuck).
@@ -250,9 +289,7 @@ def diagnose(records: dict[int, list[dict]], states: dict[int, str], world_size:
         return states.get(rank, "running")
 
     def pending(rank: int) -> dict | None:
-        recs = records.get(rank) or []
-        last = recs[-1] if recs else None
-        return last if last and last["t1"] is None and not last["async"] else None
+        return _pending(records.get(rank) or [])
 
     def whereabouts(rank: int) -> str:
         recs = records.get(rank) or []
@@ -280,7 +317,7 @@ def diagnose(records: dict[int, list[dict]], states: dict[int, str], world_size:
     for (group, seq), ranks in sorted(waiting.items(), key=lambda kv: kv[0][1]):
         rec = records[ranks[0]][-1]
         since = now - min(records[r][-1]["t0"] for r in ranks)
-        absent = [m for m in members.get(group, []) if entered.get(m, {}).get((group,), 0) < seq]
+        absent = [m for m in members.get(group, []) if entered.get(m, {}).get((group,), 0) < seq and m not in unknown]
         for m in absent:
             findings.append(f"rank {m} never entered {_name(rec)} ({whereabouts(m)})")
         if absent:
@@ -329,6 +366,47 @@ def diagnose(records: dict[int, list[dict]], states: dict[int, str], world_size:
     return findings + collective_findings, table(records, states, now)
 
 
+FLIGHT_RECORDER = "flight recorder"
+
+
+def diagnose_all(records: dict[int, list[dict]], flight: dict[int, dict | None], states: dict[int, str],
+                 world_size: int, now: float | None = None) -> tuple[list[str], str, str | None]:
+    """``diagnose`` on the ranks' own records, or on their flight recorders' where those do not explain it.
+
+    Args:
+        flight: rank -> ``{"t": time of the dump, "records": [...]}`` (``flight_recorder.snapshot``),
+            or None where there is none or it may be out of date (a rank still running when
+            another crashed): such a rank is never named as absent.
+    Returns:
+        (findings, table, source): source is None for the doctor's records, ``FLIGHT_RECORDER``
+        when the findings come from the flight recorders. These are used when the doctor's
+        records name nothing, or when a rank's flight recorder, dumped after its last recorded
+        op, shows it blocked in a collective the wrappers never saw (torch's own, such as DDP's).
+    """
+    findings, text = diagnose(records, states, world_size, now)
+    dumps = {rank: snap for rank, snap in flight.items() if snap is not None}
+    if not dumps:
+        return findings, text, None
+    settled = flight_recorder.settle({rank: snap["records"] for rank, snap in dumps.items()}, states)
+    dumps = {rank: {**snap, "records": settled[rank]} for rank, snap in dumps.items()}
+
+    def unseen(rank: int) -> bool:
+        own = records.get(rank) or []
+        last_event = max([own[-1]["t0"], own[-1]["t1"] or 0.0]) if own else 0.0
+        return (_pending(dumps[rank]["records"]) is not None and _pending(own) is None
+                and dumps[rank]["t"] >= last_event)  # a dump older than the rank's last op says nothing
+
+    if findings and not any(unseen(rank) for rank in dumps):
+        return findings, text, None
+    unknown = set(range(world_size)) - set(dumps)
+    fr_states = {rank: "no current FR dump" for rank in unknown}
+    fr_findings, fr_text = diagnose({rank: snap["records"] for rank, snap in dumps.items()},
+                                    {**fr_states, **states}, world_size, now, unknown)
+    if fr_findings:
+        return fr_findings, fr_text, FLIGHT_RECORDER
+    return findings, text, None
+
+
 def table(records: dict[int, list[dict]], states: dict[int, str], now: float) -> str:
     rows = [f"{'rank':>4}  {'state':<22} {'last op':<44} {'since':>7}"]
     for rank in sorted(set(records) | set(states)):
@@ -346,25 +424,33 @@ def table(records: dict[int, list[dict]], states: dict[int, str], now: float) ->
     return "\n".join(rows)
 
 
-def report(findings: list[str], table_text: str, what: str = "hang") -> str:
-    """One line naming the culprit, then the other findings and the table."""
-    head = f"{what} diagnosed: " + "; ".join(findings[:2])
+def report(findings: list[str], table_text: str, what: str = "hang", source: str | None = None) -> str:
+    """One line naming the culprit, then the other findings and the table.
+
+    ``source=FLIGHT_RECORDER`` says that the records are PyTorch's flight recorder's.
+    """
+    head = f"{what} diagnosed: " if source is None else f"{what} diagnosed from PyTorch's {source}: "
+    head += "; ".join(findings[:2])
     rest = [f"  {f}" for f in findings[2:]]
-    return "\n".join([head, *rest, "what each rank was doing (last communication op):", table_text])
+    last = "last communication op" if source is None else "last collective in its flight recorder"
+    return "\n".join([head, *rest, f"what each rank was doing ({last}):", table_text])
 
 
 # --------------------------------------------------------------------------- torchrun watchdog
 def start_watchdog(store, rank: int, world_size: int, timeout_s: float, interval_s: float | None = None,
                    exit_on_fire: bool = True) -> threading.Thread:
-    """Under torchrun: publish this rank's records to ``store``; if this rank stays blocked in one
-    op for ``timeout_s``, print the doctor's table for all ranks (the first rank to fire prints)
-    and end the process with ``HANG_EXIT_CODE`` so torchrun tears the job down (or restarts it).
+    """Under torchrun: publish this rank's records and its flight recorder's to ``store``; if this
+    rank stays blocked in one op for ``timeout_s`` (an op of the wrappers, or a collective of its
+    flight recorder, such as DDP's), print the doctor's table for all ranks (the first rank to
+    fire prints; ``diagnose_all`` picks the records that explain it) and end the process with
+    ``HANG_EXIT_CODE`` so torchrun tears the job down (or restarts it).
     """
     recorder = _RECORDER or install(rank)
     interval_s = interval_s or max(0.2, min(1.0, timeout_s / 4))
 
     def loop() -> None:
         published = None
+        publisher = flight_recorder.Publisher()
         while True:
             time.sleep(interval_s)
             recs = recorder.records()
@@ -372,16 +458,23 @@ def start_watchdog(store, rank: int, world_size: int, timeout_s: float, interval
             if blob != published:
                 store.set(f"doctor/{rank}", blob)
                 published = blob
-            last = recs[-1] if recs else None
-            if not (last and last["t1"] is None and not last["async"] and time.time() - last["t0"] >= timeout_s):
+            snap = publisher.poll()
+            if snap is not None:
+                store.set(f"doctor/fr/{rank}", json.dumps(snap))
+            fr = publisher.current()
+            stuck = _pending(recs) or (fr and _pending(flight_recorder.cut(fr["records"])))
+            if not (stuck and time.time() - stuck["t0"] >= timeout_s):
                 continue
             if store.add("doctor/fired", 1) == 1:
                 keys = [f"doctor/{r}" for r in range(world_size)]
                 everyone = {r: json.loads(store.get(k)) for r, k in enumerate(keys) if store.check([k])}
                 states = {r: "no records published" for r in range(world_size) if r not in everyone}
-                findings, text = diagnose(everyone, states, world_size)
+                flight = {r: json.loads(store.get(f"doctor/fr/{r}")) if store.check([f"doctor/fr/{r}"]) else None
+                          for r in range(world_size)}
+                findings, text, source = diagnose_all(everyone, flight, states, world_size)
                 print(f"distlab hang doctor (rank {rank}, {HANG_TIMEOUT_ENV}={timeout_s:g}):\n"
-                      + report(findings or ["no rank is missing; every rank is blocked in the same op"], text),
+                      + report(findings or ["no rank is missing; every rank is blocked in the same op"], text,
+                               source=source),
                       file=sys.stderr, flush=True)
             if exit_on_fire:
                 os._exit(HANG_EXIT_CODE)
@@ -390,3 +483,32 @@ def start_watchdog(store, rank: int, world_size: int, timeout_s: float, interval
     thread = threading.Thread(target=loop, name="distlab-hang-watchdog", daemon=True)
     thread.start()
     return thread
+
+
+# --------------------------------------------------------------------------- python -m distlab.doctor
+def main(argv: list[str] | None = None) -> int:
+    """Diagnose a hang from the flight-recorder dump files of its ranks (``PREFIX<rank>``)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m distlab.doctor",
+        description="Name the rank a hung job waited for, from PyTorch's flight-recorder dumps (one file per "
+                    "rank, named PREFIX<rank>: what NCCL writes with TORCH_NCCL_DUMP_ON_TIMEOUT=1).")
+    parser.add_argument("--flight-recorder", metavar="PREFIX|DIR", required=True,
+                        help="the files' common prefix (e.g. /tmp/nccl_trace_rank_), or a folder holding them")
+    args = parser.parse_args(argv)
+    try:
+        paths = flight_recorder.find_dumps(args.flight_recorder)
+        dumps = {rank: flight_recorder.load(path) for rank, path in paths.items()}
+    except (OSError, ValueError, EOFError, pickle.UnpicklingError) as exc:
+        parser.error(str(exc))
+    world_size = flight_recorder.world_size(dumps)
+    records = {rank: flight_recorder.cut(flight_recorder.to_records(data)) for rank, data in dumps.items()}
+    states = {rank: "no dump file" for rank in range(world_size) if rank not in dumps}
+    now = max(os.path.getmtime(path) for path in paths.values())  # "since" counts to the last dump
+    findings, text = diagnose(records, states, world_size, now)
+    print(report(findings or ["no rank is missing; every rank is in the same op or done"], text,
+                 source=FLIGHT_RECORDER))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -20,7 +20,8 @@ one launcher every test and demo uses, and it keeps the promises a course needs:
 * says who hangs: every rank records its last communication ops (``distlab.doctor``);
   when all ranks sit idle for ``hang_s`` seconds, or on a timeout or a crash, the
   records are merged into one table that names the rank that never arrived and the op
-  the others wait in ("rank 1 never entered all_reduce #3 (16 B) on WORLD ...").
+  the others wait in ("rank 1 never entered all_reduce #3 (16 B) on WORLD ..."); PyTorch's
+  flight recorder fills in the collectives torch issues itself (DDP's all-reduces).
 
 Workers never read the environment; ``init_from_env`` is the torchrun-side twin:
 it reads RANK/WORLD_SIZE/LOCAL_RANK, puts the script on ``cuda:LOCAL_RANK`` with
@@ -272,6 +273,8 @@ def _child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s
     if alive is not None:
         _die_with_launcher(alive, env[RUN_MARKER_ENV].rsplit(":", 1)[-1])
     if doctor_path:
+        # The doctor reads the last 64 ops; a dump of torch's default 2000 entries takes ~25 ms.
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "256")
         doctor.install(rank, doctor_path)
     loopback = loopback_interface()
     if loopback and "GLOO_SOCKET_IFNAME" not in env:
@@ -292,6 +295,7 @@ def _child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s
     except BaseException as exc:  # reported to the parent, never swallowed
         message = ("error", type(exc).__module__, type(exc).__qualname__, str(exc),
                    traceback.format_exc(), isinstance(exc, LearnerTODO))
+    doctor.write_flight_recorder()  # where this rank stopped, before the launcher reads it
     try:
         # Plain pickle, not the Pipe's: torch's multiprocessing pickler would pass tensors
         # as shared-memory handles, which die with this process before the parent reads them.
@@ -492,11 +496,20 @@ class _Watch:
             self.seen[rank] = (cpu, last)
         if any(now - self.busy_at[r] < self.hang_s for r in pending):
             return None
-        return self.diagnosis(records, finished, "hang")
+        return self.diagnosis(records, finished, "hang", idle=True)
 
-    def diagnosis(self, records, finished: dict[int, str], what: str) -> BaseException | None:
-        findings, table = doctor.diagnose(records, self.states(finished), len(self.procs))
-        return doctor.HangError(doctor.report(findings, table, what)) if findings else None
+    def diagnosis(self, records, finished: dict[int, str], what: str, idle: bool = False) -> BaseException | None:
+        states = self.states(finished)
+        # A rank's flight-recorder file is current once it has returned or raised (it writes one last
+        # time) or, when every running rank has sat idle for hang_s, if it is not stopped (its thread
+        # writes within 0.5 s of the recorder going still). Other ranks' files may be out of date.
+        current = {rank for rank, how in finished.items() if how.startswith(("returned", "raised"))}
+        if idle and self.hang_s >= 0.5:
+            current |= {rank for rank in range(len(self.procs)) if rank not in states}
+        flight = {rank: doctor.read_flight_recorder(path) if rank in current else None
+                  for rank, path in enumerate(self.paths)}
+        findings, table, source = doctor.diagnose_all(records, flight, states, len(self.procs))
+        return doctor.HangError(doctor.report(findings, table, what, source)) if findings else None
 
 
 def _collect(procs, readers, timeout_s: float, watch: _Watch) -> list[Any]:

@@ -234,6 +234,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # after the model's (offload: copied)
         self.optimizer.load_state_dict(state_dict)
+        # torch's load_state_dict gives the inner optimizer new param_groups and state objects:
+        # point at them again, or an LR scheduler on this optimizer stops reaching the inner one.
+        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now for parameters, gradients and optimizer state (trainable only)."""
@@ -256,4 +259,4 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if state["world_size"] != self.world_size or state["rank"] != self.rank:
             raise ValueError(f"state of rank {state['rank']} of {state['world_size']} cannot load into rank "
                              f"{self.rank} of {self.world_size}: reshard it first")
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.load_state_dict(state["optimizer"])

@@ -3,12 +3,17 @@
 The capstone is the demo of RUN_MODE=imagenet (demos/imagenet.py). Its own ``main()``
 runs in ranks started by run_distributed (init_from_env adopts the launcher's process
 group), on tiny settings: a small ViT on 8x8 digits for six steps. The lesson modules
-it uses come through ``distlab.loader.load``, as do the checkpoints read here.
+it uses come through ``distlab.loader.load``, as do the checkpoints read here. The baseline of
+every resume is one uninterrupted run (a module fixture), which checkpoints at steps 2, 4 and 6.
 tests/test_deployment.py checks the cluster manifests' commands against its parser.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
+import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -25,6 +30,15 @@ def _worker_capstone(rank, world_size, args):
     from demos import imagenet
 
     return imagenet.main(TINY + args)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The checkpoints of an uninterrupted 6-step run on 2 ranks: steps 2, 4 and 6 (the final model)."""
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    run_distributed(_worker_capstone, 2, ["--checkpoint-dir", str(directory), "--checkpoint-every", "2"],
+                    timeout_s=120)
+    return directory
 
 
 def _final_model(directory: Path) -> dict:
@@ -46,10 +60,9 @@ def test_capstone_trains_and_checkpoints_with_each_strategy(strategy, tmp_path):
         assert load("phase4_production", "checkpoint").CheckpointManager(tmp_path).latest().step == 6
 
 
-def test_capstone_resume_is_bit_identical_and_elastic(tmp_path):
+def test_capstone_resume_is_bit_identical_and_elastic(uninterrupted, tmp_path):
     """Uninterrupted 6 steps == stop at step 4 and resume; resuming on 1 rank instead of 2 is close."""
-    straight, resumed, elastic = tmp_path / "straight", tmp_path / "resumed", tmp_path / "elastic"
-    run_distributed(_worker_capstone, 2, ["--checkpoint-dir", str(straight)], timeout_s=120)
+    straight, resumed, elastic = uninterrupted, tmp_path / "resumed", tmp_path / "elastic"
     assert run_distributed(_worker_capstone, 2, ["--checkpoint-dir", str(resumed), "--stop-at-step", "4"],
                            timeout_s=120)[0] == {"stopped_at": 4}
     run_distributed(_worker_capstone, 2, ["--checkpoint-dir", str(resumed)], timeout_s=120)
@@ -61,6 +74,74 @@ def test_capstone_resume_is_bit_identical_and_elastic(tmp_path):
     c = _final_model(elastic)
     for name in a:  # 1 rank sums the global batch in another order than 2: float32 rounding only
         torch.testing.assert_close(c[name], a[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def _main_said(args: list[str], directory: Path) -> tuple[str, list[str]]:
+    """Run the capstone in this rank; return rank 0's printed lines and this rank's warnings naming ``directory``."""
+    from demos import imagenet
+
+    out = io.StringIO()
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out):
+        warnings.simplefilter("always")
+        imagenet.main(TINY + args + ["--checkpoint-dir", str(directory)])
+    return out.getvalue(), [str(w.message) for w in caught if str(directory) in str(w.message)]
+
+
+def _worker_capstone_fallbacks(rank, world_size, fallback, nothing):
+    """Three runs in one rank process (torchvision is imported once): resume past a damaged step 4,
+    a stale resume, and a fresh start when no checkpoint loads."""
+    fallback, nothing = Path(fallback), Path(nothing)
+    said = {"fallback": _main_said([], fallback)}
+    # The newest loadable checkpoint is now the resumed run's step 6, past --max-steps 5.
+    with pytest.raises(ValueError, match=r"step_00000006 is at step 6, past the 5 steps of this run "
+                                         r"\(--max-steps 5\): pass --max-steps 6 or more"):
+        _main_said(["--max-steps", "5"], fallback)
+    said["nothing"] = _main_said([], nothing)
+    return said
+
+
+def test_capstone_resumes_from_the_previous_checkpoint_when_the_newest_does_not_load(uninterrupted, tmp_path):
+    """Checkpoints that verify but do not load are skipped with a warning naming them and the reason.
+
+    ``fallback``: step 4's rank-0 file holds another model's shapes: every rank resumes from step 2
+    and ends bitwise on the uninterrupted run. ``nothing``: step 2's rank-1 file also comes from
+    another run (its sampler's seed): a fresh start, said, bitwise the uninterrupted run; rank 0
+    fully loaded step 2 and rank 1 most of step 4 before the other rank refused them, so it also
+    checks that a refused checkpoint leaves nothing behind. A checkpoint past --max-steps is an error.
+    """
+    ckpt = load("phase4_production", "checkpoint")
+    fallback, nothing = tmp_path / "fallback", tmp_path / "nothing"
+    shutil.copytree(uninterrupted, fallback)
+    shutil.rmtree(fallback / "step_00000006")  # as if the job had died during step 5
+    # Rewritten through the checkpoint's own writer, so they verify. The same ViT for 16-px images
+    # (64 patches + the class token): load_state_dict copies every other tensor, then raises.
+    state = ckpt.load_file(fallback / "step_00000004" / "rank0.pt")
+    state["engine"]["model"]["encoder.pos_embedding"] = torch.zeros(1, 65, 128)
+    ckpt.save_file(state, fallback / "step_00000004" / "rank0.pt")
+    shutil.copytree(fallback, nothing)
+    state = ckpt.load_file(nothing / "step_00000002" / "rank1.pt")
+    state["sampler"]["seed"] = 1  # loaded after the engine and the scheduler
+    ckpt.save_file(state, nothing / "step_00000002" / "rank1.pt")
+    assert ckpt.CheckpointManager(nothing).latest().step == 4, "the damaged checkpoints must still verify"
+
+    said = run_distributed(_worker_capstone_fallbacks, 2, str(fallback), str(nothing), timeout_s=120)
+    mismatch, seed = "size mismatch for encoder.pos_embedding", "saved sampler has seed=1 but this one has 0"
+    for case, directory in (("fallback", fallback), ("nothing", nothing)):
+        step4, step2 = f"{directory / 'step_00000004'}: ", f"{directory / 'step_00000002'}: "
+        expected = [[[step4 + "RuntimeError", mismatch]], [[step4 + "rank(s) 0 could not load it"]]]  # per rank
+        if case == "nothing":
+            expected[0] += [[step2 + "rank(s) 1 could not load it"], ["starting fresh from step 0"]]
+            expected[1] += [[step2 + "ValueError", seed], ["starting fresh from step 0"]]
+        for rank, want in enumerate(expected):
+            warned = said[rank][case][1]
+            assert len(warned) == len(want) and all(all(w in m for w in ws) for m, ws in zip(warned, want)), \
+                f"{case}, rank {rank}: expected one warning per skipped checkpoint with {want}, got {warned}"
+        b = _final_model(directory)
+        for name, a in _final_model(uninterrupted).items():  # same world size and order of every sum: bitwise
+            assert torch.equal(a, b[name]), f"{case}: parameter {name} differs from the uninterrupted run"
+    printed = {case: said[0][case][0] for case in said[0]}
+    assert f"resumed from {fallback / 'step_00000002'} (step 2," in printed["fallback"], printed["fallback"]
+    assert f"no loadable checkpoint in {nothing}: starting from step 0" in printed["nothing"], printed["nothing"]
 
 
 def _worker_eval_and_units(rank, world_size):

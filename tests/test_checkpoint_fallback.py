@@ -163,3 +163,22 @@ def test_a_checkpoint_directory_that_is_a_file_is_named(tmp_path):
     path.write_text("not a directory")
     with pytest.raises(ckpt.CheckpointError, match=f"checkpoint directory {path} is a file"):
         ckpt.CheckpointManager(path)
+
+
+def test_an_unfinished_todo_in_the_load_path_stops_the_run_instead_of_starting_fresh(tmp_path):
+    """A learner's TODO is a NotImplementedError, a RuntimeError like a bad load: it must not read as one."""
+    from types import SimpleNamespace
+
+    from distlab import resume
+    from distlab.todo import LearnerTODO, todo
+
+    found = SimpleNamespace(step=4, directory=tmp_path / "step_00000004")
+    manager = SimpleNamespace(directory=tmp_path, checkpoints=lambda: iter([found]), _published=lambda: [found])
+
+    def apply(_):
+        raise todo("4.3b RNG state (restore)", "guidelines.md#what-a-checkpoint-must-hold")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "skipping ... starting fresh" warning either
+        with pytest.raises(LearnerTODO, match="4.3b"):
+            resume.restore(manager, apply)

@@ -3,20 +3,30 @@
 Every case runs under ``run_distributed`` with a 30 s deadline (process-group timeout
 15 s) and ``hang_s=1``: the diagnosis must come from the doctor's watch of idle ranks or
 from the crash it explains, never from a timeout, and it must name the rank to blame.
+
+Hangs inside torch's own DistributedDataParallel are named from PyTorch's flight recorder
+(and are blamed on a healthy rank without it); the torchrun watchdog and
+``python -m distlab.doctor --flight-recorder`` (dump files) read it too.
 """
 from __future__ import annotations
 
 import inspect
 import os
+import pickle
 import re
 import signal
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
+from distlab import doctor, flight_recorder
 from distlab.comm import CommLedger
 from distlab.doctor import HangError, diagnose
 from distlab.launch import run_distributed
@@ -79,19 +89,28 @@ def _worker_stopped_rank(rank, world_size):
 ], ids=["skipped-collective", "mismatched-sizes", "mismatched-p2p", "send-without-recv", "pipeline-fewer-microbatches",
         "stopped-rank"])
 def test_the_doctor_names_the_culprit_of_each_classic_hang_within_seconds(worker, world_size, expected, request):
+    message = _diagnosis(worker, world_size)
+    first_line = message.splitlines()[0]
+    for text in expected:
+        assert text in message, message
+    assert any(text in first_line for text in expected), f"the first line does not name the culprit:\n{message}"
+    _assert_the_guide_quotes(request.node.callspec.id, worker, message)
+
+
+def _diagnosis(worker, world_size: int) -> str:
+    """The HangError's message for ``worker``'s hang, which must come within seconds."""
     run_distributed(_worker_skips_a_collective, 1)  # the forkserver's one-time start is not what is timed
     start = time.monotonic()
     with pytest.raises(HangError) as info:
         run_distributed(worker, world_size, timeout_s=30, hang_s=1)
     elapsed = time.monotonic() - start
     message = str(info.value)
-    first_line = message.splitlines()[0]
     assert elapsed < 10, f"the diagnosis took {elapsed:.1f} s:\n{message}"
-    for text in expected:
-        assert text in message, message
-    assert any(text in first_line for text in expected), f"the first line does not name the culprit:\n{message}"
-    # docs/troubleshooting.md quotes this case's worker and the doctor's output: both must be today's.
-    case = request.node.callspec.id
+    return message
+
+
+def _assert_the_guide_quotes(case: str, worker, message: str) -> None:
+    """docs/troubleshooting.md quotes this case's worker and the doctor's output: both must be today's."""
     code, printed = _guide_cases().get(case, (None, None))
     assert code is not None, f"docs/troubleshooting.md has no '<!-- doctor-case: {case} -->' block for this hang"
     assert code == inspect.getsource(worker).rstrip(), f"the guide quotes another {worker.__name__}:\n{code}"
@@ -151,3 +170,138 @@ def test_the_doctor_and_a_ledger_see_the_same_calls():
         assert summary == {"all_reduce": {"calls": 1, "bytes": 16}, "irecv": {"calls": 1, "bytes": 8},
                            "isend": {"calls": 1, "bytes": 8}}, summary
         assert ops == [("all_reduce", 1, None), ("isend", 1, 1 - rank), ("irecv", 1, 1 - rank)], ops
+
+
+# --------------------------------------------------------------------------- PyTorch's flight recorder
+def _worker_ddp_uneven_batches(rank, world_size):
+    model = DistributedDataParallel(torch.nn.Linear(4, 2))
+    batches = 3 if rank < world_size - 1 else 2  # the last rank's shard has one batch fewer
+    for _ in range(batches):
+        model(torch.ones(2, 4)).sum().backward()  # DDP all-reduces the gradients during backward
+
+
+def _worker_ddp_skips_a_batch(rank, world_size):
+    model = DistributedDataParallel(torch.nn.Linear(4, 2))
+    for step in range(3):
+        if rank == world_size - 1 and step == 1:
+            continue  # e.g. a batch skipped for a NaN loss, on this rank only
+        model(torch.ones(2, 4)).sum().backward()
+    dist.barrier()  # the end of the epoch
+
+
+@pytest.mark.parametrize("worker, world_size, culprit, ledger_says", [
+    (_worker_ddp_uneven_batches, 2, r"rank 1 never entered all_reduce #\d+ \(40 B\) on WORLD \(returned; its last op: "
+                                    r"all_reduce #\d+ \(40 B\) on WORLD\)", r"rank 0: .*Connection (closed|reset)"),  # gloo: the peer went away
+    # rank 1 fails with rank 0 (its peer 2 returned); the diagnosis may come before rank 1 reports
+    (_worker_ddp_uneven_batches, 3, r"^hang diagnosed [^;]*: rank 2 never entered all_reduce #\d+ \(40 B\) on WORLD "
+                                    r"\(returned; ", r"rank [01]: .*Connection (closed|reset)"),
+    (_worker_ddp_skips_a_batch, 3, r"rank 2 called barrier #(\d+) \(0 B\) on WORLD where ranks 0, 1 called "
+                                   r"all_reduce #\1 \(40 B\) on WORLD", r"rank 0 never entered barrier #1 \(0 B\) on WORLD"),
+], ids=["ddp-uneven-batches", "ddp-uneven-batches-3-ranks", "ddp-skipped-batch"])
+def test_the_doctor_names_the_rank_a_torch_ddp_hang_waits_for_from_the_flight_recorder(
+        worker, world_size, culprit, ledger_says, monkeypatch, request):
+    """DDP all-reduces its gradients from C++, past the doctor's wrappers: only PyTorch's flight
+    recorder sees them. With it, the doctor names the rank that never arrived; without it
+    (TORCH_FR_BUFFER_SIZE=0) the same hang is blamed on a healthy rank."""
+    message = _diagnosis(worker, world_size)
+    first_line = message.splitlines()[0]
+    assert first_line.startswith("hang diagnosed from PyTorch's flight recorder: "), message
+    assert re.search(culprit, first_line), f"the first line does not name the culprit:\n{message}"
+    if request.node.callspec.id == "ddp-uneven-batches":
+        _assert_the_guide_quotes("ddp-uneven-batches", worker, message)
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")  # the ranks' flight recorders off: the wrappers' records alone
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(worker, world_size, timeout_s=30, hang_s=1)
+    assert not re.search(culprit, str(info.value)) and re.search(ledger_says, str(info.value).splitlines()[0]), \
+        str(info.value)
+
+
+def _worker_ddp_skips_a_batch_under_the_watchdog(rank, world_size, store_path, log_dir):
+    # What init_from_env starts under torchrun with DISTLAB_HANG_TIMEOUT=2; the report goes to this rank's log.
+    sys.stderr = open(os.path.join(log_dir, f"rank{rank}.log"), "w")
+    doctor.start_watchdog(dist.FileStore(store_path, world_size), rank, world_size, timeout_s=2)
+    _worker_ddp_skips_a_batch(rank, world_size)
+
+
+def test_the_torchrun_watchdog_reads_the_flight_recorders_of_a_ddp_hang(tmp_path):
+    """The watchdog fires on a rank blocked in DDP's all-reduce (seen by its flight recorder only) or
+    in the barrier, and its report names the rank that skipped a batch."""
+    with pytest.raises(RuntimeError, match=r"died \(exit code 75\)"):  # the watchdog ends the rank that fired
+        run_distributed(_worker_ddp_skips_a_batch_under_the_watchdog, 2, str(tmp_path / "store"), str(tmp_path),
+                        timeout_s=30, pg_timeout_s=20, hang_s=0)
+    logs = "".join(p.read_text() for p in sorted(tmp_path.glob("rank*.log")))
+    assert "distlab hang doctor (rank" in logs, logs
+    assert re.search(r"hang diagnosed from PyTorch's flight recorder: rank 1 called barrier #(\d+) \(0 B\) on WORLD "
+                     r"where rank 0 called all_reduce #\1 \(40 B\) on WORLD", logs), logs
+
+
+def _dump_while_blocked(path: str, stop: threading.Event) -> None:
+    """What NCCL's watchdog does with TORCH_NCCL_DUMP_ON_TIMEOUT=1: from a thread, write this rank's
+    flight recorder to PREFIX<rank> while the rank waits in a collective (one that stays in flight
+    for two looks)."""
+    seen = None
+    while not stop.wait(0.1):
+        status = flight_recorder.status()
+        waiting = any(s["last_enqueued_collective"] > s["last_completed_collective"] for s in status.values())
+        if waiting and status == seen:
+            with open(path, "wb") as f:
+                f.write(torch._C._distributed_c10d._dump_fr_trace())  # a pickled dict, as NCCL writes it
+            return
+        seen = status
+
+
+def _worker_ddp_skips_a_batch_and_dumps(rank, world_size, prefix):
+    stop = threading.Event()
+    dumper = threading.Thread(target=_dump_while_blocked, args=(f"{prefix}{rank}", stop))
+    dumper.start()
+    try:
+        with pytest.raises(RuntimeError, match="[Tt]imed out|[Cc]onnection"):  # the process group's timeout
+            _worker_ddp_skips_a_batch(rank, world_size)
+    finally:
+        stop.set()
+        dumper.join()
+    assert os.path.exists(f"{prefix}{rank}"), f"rank {rank} wrote no dump while it waited"
+
+
+@pytest.fixture(scope="module")
+def ddp_dump_prefix(tmp_path_factory) -> str:
+    """``PREFIX<rank>`` files written by 3 gloo ranks of a DDP job in which rank 2 skipped a batch."""
+    folder = tmp_path_factory.mktemp("dumps")
+    run_distributed(_worker_ddp_skips_a_batch_and_dumps, 3, str(folder / "nccl_trace_rank_"), timeout_s=30,
+                    pg_timeout_s=1.5, hang_s=0)
+    return str(folder / "nccl_trace_rank_")
+
+
+_CLI_CULPRIT = (r"hang diagnosed from PyTorch's flight recorder: rank 2 called barrier #(\d+) \(0 B\) on WORLD "
+                r"where ranks 0, 1 called all_reduce #\1 \(40 B\) on WORLD")
+
+
+def test_the_doctor_cli_names_the_culprit_from_flight_recorder_dump_files(ddp_dump_prefix, capsys):
+    assert doctor.main(["--flight-recorder", ddp_dump_prefix]) == 0
+    out = capsys.readouterr().out
+    assert re.search(_CLI_CULPRIT, out.splitlines()[0]), out
+    assert doctor.main(["--flight-recorder", os.path.dirname(ddp_dump_prefix)]) == 0  # a folder of dumps
+    assert capsys.readouterr().out == out
+
+
+def test_python_m_distlab_doctor_reads_flight_recorder_dumps(ddp_dump_prefix):
+    out = subprocess.run([sys.executable, "-m", "distlab.doctor", "--flight-recorder", ddp_dump_prefix],
+                         capture_output=True, text=True, timeout=60, cwd=GUIDE.parent.parent)
+    assert out.returncode == 0 and re.search(_CLI_CULPRIT, out.stdout.splitlines()[0]), out.stdout + out.stderr
+
+
+class _RunsCode:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):  # unpickling this calls open(path, "w"): a file appears if the dump is run
+        return open, (self.path, "w")
+
+
+def test_the_doctor_cli_refuses_a_dump_that_would_run_code(tmp_path, capsys):
+    (tmp_path / "nccl_trace_rank_0").write_bytes(pickle.dumps({"entries": [_RunsCode(str(tmp_path / "ran"))]}))
+    with pytest.raises(SystemExit) as info:
+        doctor.main(["--flight-recorder", str(tmp_path / "nccl_trace_rank_")])
+    assert info.value.code == 2 and not (tmp_path / "ran").exists()
+    assert "refusing io.open" in capsys.readouterr().err

@@ -317,6 +317,11 @@ def _check_zero_resume(rank, world_size, stage, kind, zo, model):
     restored = _zero(stage, restored_model)
     restored_model.load_state_dict(model.state_dict())  # in place: the params stay views of the buckets
     restored.load_sharded_state_dict(zo.sharded_state_dict())
+    # A scheduler made after the load must reach the optimizer that steps (torch's load replaces
+    # the inner optimizer's param_groups): the halved learning rate is part of the next step.
+    scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s) for opt in (zo, restored)]
+    for sched in scheds:
+        sched.step()
     x, y = _batch(kind, 9)
     for m, opt in ((model, zo), (restored_model, restored)):
         opt.zero_grad()
