@@ -303,7 +303,8 @@ def evaluate(model: nn.Module, dataset: Dataset, device: torch.device, rank: int
     return (counts[0] / counts[1]).item()
 
 
-def resume(manager: Any, engine: Engine, scheduler: Any, sampler: Any, env: Any, checkpoint: Any) -> Any:
+def resume(manager: Any, engine: Engine, scheduler: Any, sampler: Any, scaler: Any, env: Any,
+           checkpoint: Any) -> Any:
     """Load the newest checkpoint of ``manager`` that loads into this run and return it; None: none does.
 
     A checkpoint that verifies can still fail to load: another model's shapes, a file that
@@ -314,7 +315,9 @@ def resume(manager: Any, engine: Engine, scheduler: Any, sampler: Any, env: Any,
     failed one may stop part-way (``load_state_dict`` copies every tensor whose shape fits before
     it raises) or load on this rank and fail on another; a run that takes none is put back at step 0.
     What a checkpoint holds: the engine (model, optimizer or ZeRO/FSDP shards), the LR scheduler,
-    the sampler's position and, at the world size that wrote it, this rank's RNG streams.
+    the sampler's position, the fp16 loss scaler's scale and growth count (a run without fp16
+    saves none, and then the scaler starts fresh) and, at the world size that wrote it, this
+    rank's RNG streams.
 
     Collective: every rank calls it; one all-reduce per checkpoint tried.
     """
@@ -325,6 +328,8 @@ def resume(manager: Any, engine: Engine, scheduler: Any, sampler: Any, env: Any,
         engine.load_state_dict(state["engine"])
         scheduler.load_state_dict(state["scheduler"])
         sampler.load_state_dict(state["sampler"])
+        if state["scaler"]:
+            scaler.load_state_dict(state["scaler"])
         checkpoint.restore_rng_state(state["rng"])
 
     def apply(ckpt) -> None:
@@ -336,11 +341,14 @@ def resume(manager: Any, engine: Engine, scheduler: Any, sampler: Any, env: Any,
             reset()
         else:
             fresh.update(copy.deepcopy({"engine": engine.state_dict(), "scheduler": scheduler.state_dict(),
-                                        "sampler": sampler.state_dict()}), rng=checkpoint.capture_rng_state())
+                                        "sampler": sampler.state_dict(), "scaler": scaler.state_dict()}),
+                         rng=checkpoint.capture_rng_state())
         state = ckpt.load(env.rank if same_world else 0, map_location=env.device)  # ddp/ours: replicated
         engine.load_state_dict(state["engine"])
         scheduler.load_state_dict(state["scheduler"])
         sampler.load_state_dict(state["sampler"])
+        if state.get("scaler"):  # empty from a run without fp16 (and absent from older checkpoints)
+            scaler.load_state_dict(state["scaler"])
         if same_world:  # the streams are per rank: at another world size they start from the seed
             checkpoint.restore_rng_state(state["rng"])
 
@@ -371,8 +379,10 @@ def train(cfg: Config) -> dict:
         scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lr_lambda(cfg, total))
         manager = CheckpointManager(cfg.checkpoint_dir, cfg.keep) if cfg.checkpoint_dir else None
         step = 0
+        amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
+        scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16")
         if manager:
-            ckpt = resume(manager, engine, scheduler, sampler, env, checkpoint)
+            ckpt = resume(manager, engine, scheduler, sampler, scaler, env, checkpoint)
             if ckpt is None:
                 log0(f"no loadable checkpoint in {manager.directory}: starting from step 0")
             elif ckpt.step > total:  # an error, not a silent return of the later model
@@ -383,8 +393,6 @@ def train(cfg: Config) -> dict:
             else:
                 step = ckpt.step
                 log0(f"resumed from {ckpt.path} (step {step}, written by {ckpt.world_size} ranks)")
-        amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
-        scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16")
         timer = StepTimer(env.device)
         log0(f"{cfg.model} on {cfg.dataset} ({len(train_set)} images, {num_classes} classes), strategy "
              f"{cfg.strategy}{cfg.zero_stage if cfg.strategy == 'zero' else ''}, {env.world_size} ranks "
@@ -393,7 +401,8 @@ def train(cfg: Config) -> dict:
         def save(sampler_state: dict) -> None:
             if manager:
                 manager.save(step, {"engine": engine.state_dict(), "scheduler": scheduler.state_dict(),
-                                    "sampler": sampler_state, "rng": capture_rng_state(), "step": step})
+                                    "sampler": sampler_state, "scaler": scaler.state_dict(),
+                                    "rng": capture_rng_state(), "step": step})
 
         start, loss, sampler_state = time.perf_counter(), torch.zeros(()), sampler.state_dict()
         batches = _batches(train_set, sampler, total - step, cfg.workers, env.device.type == "cuda")

@@ -144,6 +144,29 @@ def test_capstone_resumes_from_the_previous_checkpoint_when_the_newest_does_not_
     assert f"no loadable checkpoint in {nothing}: starting from step 0" in printed["nothing"], printed["nothing"]
 
 
+def _worker_capstone_fp16_resume(rank, world_size, straight, resumed):
+    """An uninterrupted fp16 run, then the same run stopped at step 2 and resumed, in one rank process."""
+    from demos import imagenet
+
+    fp16 = TINY + ["--amp", "fp16", "--checkpoint-every", "2", "--max-steps", "4"]
+    imagenet.main(fp16 + ["--checkpoint-dir", straight])
+    imagenet.main(fp16 + ["--checkpoint-dir", resumed, "--stop-at-step", "2"])
+    imagenet.main(fp16 + ["--checkpoint-dir", resumed])
+
+
+def test_capstone_fp16_resume_keeps_the_loss_scaler(tmp_path):
+    """The loss scaler's scale and growth count are training state: a resumed fp16 run ends with the
+    uninterrupted run's scaler (and model), not one restarted at step 2 (growth count 2 instead of 4)."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_distributed(_worker_capstone_fp16_resume, 2, str(straight), str(resumed), timeout_s=120)
+    manager = load("phase4_production", "checkpoint").CheckpointManager
+    a, b = (manager(d).latest().load(0) for d in (straight, resumed))
+    assert a["step"] == b["step"] == 4 and a["scaler"]["_growth_tracker"] == 4, a["scaler"]
+    assert b["scaler"] == a["scaler"], f"the resumed run's loss scaler {b['scaler']} != {a['scaler']}"
+    for name, p in a["engine"]["model"].items():  # same world size, same order of every sum: bitwise
+        assert torch.equal(p, b["engine"]["model"][name]), f"parameter {name} differs after an fp16 resume"
+
+
 def _worker_eval_and_units(rank, world_size):
     """evaluate() on an uneven split (no hang, exact count); ZeRO-3 on the ViT gathers one block at a time."""
     import torch.nn.functional as F
