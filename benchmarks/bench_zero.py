@@ -1,21 +1,52 @@
-"""ZeRO-1/2/3 from scratch against torch's ZeroRedundancyOptimizer and FSDP2, side by side.
+"""ZeRO-1/2/3 from scratch against torch's ZeroRedundancyOptimizer and FSDP2: step time and peak memory.
 
-An MLP (Linear 256->1024->1024->256->10, AdamW), W=2 CPU ranks (gloo over loopback),
-batch 64 per rank. For each contender: per-rank bytes of parameters, gradients and
-optimizer state at rest (after a step), and the median step time:
+Model: ``_Net``, a stack of 8 pre-norm residual MLP blocks (a transformer's feed-forward
+half: LayerNorm, Linear 256->1024, GELU, Linear 1024->256, + x) between an input Linear
+256->256 and a LayerNorm + Linear 256->10 head; 4.28 M parameters (17.1 MB fp32; one block
+is 2.1 MB), AdamW (lr 1e-3, weight decay 0.1), cross-entropy, batch 64 rows per rank, gloo
+CPU ranks at W=2 and W=4. Big enough that a step's collectives (17 MB all-reduced, or
+reduce-scattered and all-gathered) are a real share of it, small enough that 3 launches
+per world size fit in minutes on 2 cores. Contenders, per stage ours against torch's:
 
-* torch DDP + AdamW: the replicated baseline;
-* ours ZeRO-1 (``ZeroOptimizer``) and ``torch.distributed.optim.ZeroRedundancyOptimizer``
-  (on top of torch DDP): ours shards a flat buffer, so per-rank optimizer state is
-  balanced; torch's assigns whole tensors to ranks;
-* ours ZeRO-2 and FSDP2 with ``reshard_after_forward=False`` (parameters stay gathered
-  between forward and backward, gradients and optimizer state sharded);
-* ours ZeRO-3 (``FullyShardedDataParallel``, one unit per Linear) and FSDP2
-  (``torch.distributed.fsdp.fully_shard`` per Linear, then the root), if it runs on gloo CPU.
-Ours also report the peaks their meters sampled at every hook during backward.
+* torch DDP + AdamW: the replicated baseline, and the reference every result is checked against;
+* stage 1: ours ``ZeroOptimizer(stage=1)`` vs ``torch.distributed.optim.ZeroRedundancyOptimizer``
+  (AdamW inside, on torch DDP);
+* stage 2: ours ``ZeroOptimizer(stage=2)`` vs FSDP2 ``fully_shard(reshard_after_forward=False)``;
+* stage 3: ours ``FullyShardedDataParallel`` (trained by a plain ``torch.optim.AdamW`` over
+  ``fsdp.parameters()``) vs FSDP2 ``fully_shard`` (resharded after forward).
 
-Every repeat runs every contender in turn (rotated each repeat) between barriers;
-rank 0's times, medians.
+Like for like: FSDP2 shards every block, then the root (which keeps the input layer, the
+final norm and the head); ours ZeRO-3 gets the same units (``units=blocks``), and ours ZeRO-1/2
+one bucket per block plus one for the root's parameters, in backward order: what FSDP2
+reduce-scatters at a time, and (ours steps AdamW on a bucket's chunk) temporaries no bigger
+than a unit's, as torch's per-parameter steps. Like FSDP2's defaults, ours keeps one
+reduce-scatter in flight (``max_in_flight=1``; FSDP2: ``reduce_scatter_max_input_buffers=1``)
+and prefetches one unit in backward. Torch DDP keeps its gradients as views of its buckets
+(``gradient_as_bucket_view``), as ours' flat buffers are, so the buckets are counted.
+``memory_note`` in the JSON gives the peaks of ours with its defaults (one 25 MiB bucket, two
+reduce-scatters in flight, ZeRO-3's default units), measured in the same run.
+
+Time: on benchmarks/harness.py: contenders rotated per repeat, one untimed warm-up round,
+the slowest rank's time, 3 launches per world size; every contender's full parameters
+(FSDP2's DTensors and ours' shards gathered) checked against torch DDP's after the warm-up
+and after the last repeat (float32, rtol 1e-4, atol 1e-5), or ContenderMismatch.
+
+Memory: one meter for all, ``LiveTensorBytes``: every tensor storage alive in the process,
+each once, sampled after every op and storage resize. Before the timed contenders exist, each
+contender in turn is built, stepped twice unmetered (optimizer state; torch DDP rebuilds its
+buckets in the second step) and metered over the next step(s) (zero_grad, forward, backward,
+optimizer step); what was alive before it was built (the input batch, what earlier contenders
+left behind) is left out. A row's ratio: the largest peak over the ranks, ours / torch's. The
+peak is split by what each storage was at that moment: params (module parameters and tensor
+attributes: gathered ones too), grads (their ``.grad``), optimizer (state), other (activations,
+autograd temporaries, communication buffers, full gradients waiting for their reduce-scatter).
+Cross-checked against torch's ``torch.distributed._tools.mem_tracker.MemTracker`` seeded with
+the same census (``track_external`` of every live tensor): the same peaks to the byte for all
+seven contenders at W=2 (torch 2.14). MemTracker alone counts only tensors created inside it
+or handed to it, files torch DDP's bucket-view gradients under activations, and needs a new
+tracker for every iteration of the same model; hence a meter of our own.
+
+``--quick``: 4 blocks 64-256-64, batch 16, W=2 only, 2 repeats of one step (for the tests).
 
     python -m benchmarks.bench_zero [--quick]
 
@@ -24,179 +55,529 @@ writes benchmarks/results/zero.json and zero_memory.png.
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
+import gc
+import statistics
 import time
-import traceback
+import warnings
+import weakref
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.common import RESULTS, comparison, machine_info, median, write_result
-from distlab.launch import run_distributed
+from benchmarks.common import RESULTS, machine_info, write_result
+from benchmarks.harness import Contender, format_row, launch, load_of, measure, ratio_row, stat_row
+from distlab.comm import all_gather_single
 from distlab.metrics import format_bytes, format_table
 
-ADAMW = dict(lr=1e-3, weight_decay=0.1)
+LR, WEIGHT_DECAY = 1e-3, 0.1
+REFERENCE = "torch DDP + AdamW"
+STAGES = {1: ("ours ZeRO-1", "torch ZeroRedundancyOptimizer"),
+          2: ("ours ZeRO-2", "torch FSDP2 (reshard_after_forward=False)"),
+          3: ("ours ZeRO-3", "torch FSDP2 (fully_shard)")}
+CONTENDERS = [REFERENCE, *(name for pair in STAGES.values() for name in pair)]
+OURS_DEFAULTS = " with its defaults"  # memory only: what the matched configuration above changes
+DEFAULTS = [f"ours ZeRO-{stage}{OURS_DEFAULTS}" for stage in STAGES]
+CATEGORIES = ("params", "grads", "optimizer", "other")
 
 
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                         nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 10))
+@dataclass(frozen=True)
+class Size:
+    dim: int = 256
+    hidden: int = 1024
+    blocks: int = 8
+    batch: int = 64
+    classes: int = 10
+
+    def describe(self) -> str:
+        params = sum(p.numel() for p in _Net(self).parameters())
+        return (f"{self.blocks} residual MLP blocks {self.dim}-{self.hidden}-{self.dim}, "
+                f"{params / 1e6:.2f}M params, batch {self.batch}/rank")
 
 
-def _local(t) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+FULL, QUICK = Size(), Size(dim=64, hidden=256, blocks=4, batch=16)
 
 
-def _nbytes(tensors) -> int:
-    return sum(_local(t).numel() * _local(t).element_size() for t in tensors if t is not None)
+class _Block(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
 
 
-def _state_bytes(optimizer) -> int:
-    return _nbytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+class _Net(nn.Module):
+    def __init__(self, size: Size) -> None:
+        super().__init__()
+        self.proj = nn.Linear(size.dim, size.dim)
+        self.blocks = nn.ModuleList(_Block(size.dim, size.hidden) for _ in range(size.blocks))
+        self.norm, self.head = nn.LayerNorm(size.dim), nn.Linear(size.dim, size.classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
 
 
-def _build(name: str):
-    """(forward callable, step callable, zero_grad callable, memory() -> dict)."""
+# --------------------------------------------------------------------------- contenders
+@dataclass
+class _Setup:
+    forward: nn.Module                        # what the batch goes through
+    model: nn.Module                          # whose parameters and attributes the meter calls "params"
+    optimizer: torch.optim.Optimizer
+    full_params: Callable[[], dict[str, torch.Tensor]]  # collective for the sharded ones
+    set_to_none: bool = True                  # torch DDP's buckets stay: its gradients are kept (zeroed)
+
+
+def _named(model: nn.Module) -> Callable[[], dict[str, torch.Tensor]]:
+    def full() -> dict[str, torch.Tensor]:
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in model.named_parameters()}  # FSDP2: DTensor shards gathered (a collective)
+    return full
+
+
+def _gathered(fsdp) -> Callable[[], dict[str, torch.Tensor]]:
+    """Ours ZeRO-3: every unit's flat shards all-gathered, cut into the original parameters by name."""
+    def full() -> dict[str, torch.Tensor]:
+        out = {}
+        for u in fsdp.units:
+            flat = torch.empty(u.shard.numel() * fsdp.world_size, dtype=u.shard.dtype)
+            all_gather_single(flat, u.shard.detach(), group=fsdp.group)
+            for p, name, start in zip(u.params, u.names, u.offsets):
+                out[name] = flat[start:start + p.numel()].view(p.shape).clone()
+        return out
+    return full
+
+
+def _build(name: str, size: Size, lr_factor: float = 1.0) -> _Setup:
     from solutions.phase3_multi_node.fsdp import FullyShardedDataParallel
     from solutions.phase3_multi_node.zero import ZeroOptimizer
 
-    model = _mlp()
-    if name in ("torch DDP + AdamW", "torch ZeroRedundancyOptimizer"):
-        ddp = nn.parallel.DistributedDataParallel(model)
-        if name == "torch DDP + AdamW":
-            opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    torch.manual_seed(0)
+    model = _Net(size)
+    adamw = dict(lr=LR * lr_factor, weight_decay=WEIGHT_DECAY)
+    if name in (REFERENCE, "torch ZeroRedundancyOptimizer"):
+        ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        if name == REFERENCE:
+            opt = torch.optim.AdamW(model.parameters(), **adamw)
         else:
             from torch.distributed.optim import ZeroRedundancyOptimizer
-            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW)
-        memory = lambda: {"params": _nbytes(model.parameters()),  # noqa: E731
-                          "grads": _nbytes(p.grad for p in model.parameters()),
-                          "optimizer": _state_bytes(getattr(opt, "optim", opt))}
-        return ddp, opt.step, lambda: opt.zero_grad(set_to_none=False), memory
-    if name.startswith("ours ZeRO-") and name[-1] in "12":
-        zo = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=int(name[-1]), **ADAMW)
-        return model, zo.step, zo.zero_grad, lambda: {**zo.memory_bytes(), **_peaks(zo)}
-    if name == "ours ZeRO-3":
-        fsdp = FullyShardedDataParallel(model)
-        opt = torch.optim.AdamW(fsdp.parameters(), **ADAMW)  # torch's, on our flat shards
-        return fsdp, opt.step, opt.zero_grad, lambda: {**fsdp.memory_bytes(), **_peaks(fsdp)}
-    from torch.distributed.fsdp import fully_shard  # FSDP2: reshard after forward = ZeRO-3, without = ZeRO-2
-    reshard = "reshard_after_forward=False" not in name
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, reshard_after_forward=reshard)
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
+        return _Setup(ddp, model, opt, _named(model), set_to_none=False)
+    defaults = name.endswith(OURS_DEFAULTS)
+    if name.startswith(("ours ZeRO-1", "ours ZeRO-2")):
+        # One bucket per FSDP2 unit (every block, then the root's own parameters), in backward
+        # order. Ours steps its optimizer on a bucket's chunk: AdamW's temporaries are chunk-sized.
+        blocks = [list(b.parameters()) for b in reversed(model.blocks)]
+        root = [p for m in (model.head, model.norm, model.proj) for p in m.parameters()]
+        # Stage 2: one reduce-scatter in flight, as FSDP2's reduce_scatter_max_input_buffers=1.
+        matched = dict(params=[{"params": ps} for ps in (*blocks, root)], bucket_size_mb=1e6, max_in_flight=1)
+        config = dict(params=model.parameters()) if defaults else matched
+        zero = ZeroOptimizer(optimizer_class=torch.optim.AdamW, stage=int(name[len("ours ZeRO-")]), **config, **adamw)
+        return _Setup(model, model, zero, _named(model))
+    if name.startswith("ours ZeRO-3"):
+        config = {} if defaults else dict(units=list(model.blocks), prefetch=1, max_in_flight=1)  # as FSDP2
+        fsdp = FullyShardedDataParallel(model, **config)
+        return _Setup(fsdp, fsdp, torch.optim.AdamW(fsdp.parameters(), **adamw), _gathered(fsdp))
+    from torch.distributed.fsdp import fully_shard
+    reshard = name == "torch FSDP2 (fully_shard)"
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    memory = lambda: {"params": _nbytes(model.parameters()),  # noqa: E731
-                      "grads": _nbytes(p.grad for p in model.parameters()), "optimizer": _state_bytes(opt)}
-    return model, opt.step, lambda: opt.zero_grad(set_to_none=False), memory
+    return _Setup(model, model, torch.optim.AdamW(model.parameters(), **adamw), _named(model))
 
 
-CONTENDERS = ["torch DDP + AdamW", "ours ZeRO-1", "torch ZeroRedundancyOptimizer", "ours ZeRO-2",
-              "torch FSDP2 (fully_shard, reshard_after_forward=False)", "ours ZeRO-3", "torch FSDP2 (fully_shard)"]
+def _train(setup: _Setup, x: torch.Tensor, y: torch.Tensor, steps: int) -> None:
+    for _ in range(steps):
+        setup.optimizer.zero_grad(set_to_none=setup.set_to_none)
+        F.cross_entropy(setup.forward(x), y).backward()
+        setup.optimizer.step()
 
 
-def _peaks(wrapper) -> dict[str, int]:
-    """Ours only: the peaks the wrapper's meter sampled at every hook (the torch contenders have no meter)."""
-    return {f"peak {k}": v for k, v in wrapper.memory.peak.items()}
+def _check(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    # The same gradients summed in other groupings (all-reduce, reduce-scatter, per bucket or
+    # unit) and averaged before or after the sum: float32 rounding, carried on by AdamW. Measured:
+    # equal bit for bit at W=2 (a sum of two is the same in any order); at W=4 after the full
+    # run's 14 steps at most 4.2e-6 apart (ours ZeRO-1: 38% of this tolerance). A learning rate
+    # 1% off is ~1e-5 away after one step, and caught (tests/test_benchmarks.py).
+    assert got.keys() == want.keys(), f"parameters {sorted(set(got) ^ set(want))} are not in both"
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-def _worker(rank, world_size, steps, repeats):
-    setups, errors = {}, {}
-    for name in CONTENDERS:
-        try:
-            setups[name] = _build(name)
-        except Exception as exc:  # reported in the output: e.g. FSDP2 on a backend without support
-            errors[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+# --------------------------------------------------------------------------- the memory meter
+def _storages(t: Any) -> list[torch.UntypedStorage]:
+    """The storages behind ``t`` (a DTensor: its local shard's), none for meta or fake tensors."""
+    if type(t) in (torch.Tensor, nn.Parameter):  # the common case, first: this runs after every op
+        return [t.untyped_storage()] if t.device.type != "meta" else []
+    if not isinstance(t, torch.Tensor):
+        return []
+    if hasattr(t, "__tensor_flatten__"):  # DTensor and other wrapper subclasses
+        names, _ = t.__tensor_flatten__()
+        return [s for n in names for s in _storages(getattr(t, n))]
+    if t.device.type == "meta" or type(t).__name__ == "FakeTensor":
+        return []
+    return [t.untyped_storage()]
+
+
+def _tensors(out: Any):
+    """The tensors an op returned (a tensor, or a tuple or list of them)."""
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            yield from _tensors(o)
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Bytes of tensor storage alive in this process while the ``with`` block runs, and their peak.
+
+    At entry, every tensor Python can reach (``gc.get_objects``); inside, every tensor an op
+    takes or returns (a TorchDispatchMode: DTensors are seen as their local shards) and every
+    ``UntypedStorage.resize_`` (how FSDP2 and ours free and re-allocate gathered parameters);
+    each storage counted once (views share it) until it is freed (a weakref callback), at its
+    current size. ``restart()`` leaves out what is alive at that moment for good (the input
+    batch, a previous contender's last buffers that gloo's thread still holds) and starts a
+    new peak. ``now`` and ``peak`` count the rest, sampled after every op and resize; ``at_peak``
+    splits the peak with ``roles()`` ({category: storage ids}, called at each new peak), if given.
+    Not seen, by any contender: memory inside one op (kernel workspaces) and the backend's own
+    buffers (gloo's temporaries); tensors held only by C++ and never passed to an op (none here:
+    torch DDP's buckets are its gradients).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.roles: Callable[[], dict[str, set[int]]] | None = None  # None: the peak is not split
+        self.sizes: dict[int, int] = {}  # id(storage) -> bytes, while it lives
+        self._refs: dict[int, weakref.ref] = {}
+        self._left_out: set[int] = set()
+        # A storage can die on gloo's thread, or in a garbage collection in the middle of this
+        # meter's own code: its callback only queues it; the meter's thread counts it at its next look.
+        self._dead: collections.deque[int] = collections.deque()
+        self._now = self.peak = 0  # bytes alive, not left out; the most of them since the last restart
+        self.at_peak: dict[str, int] = {}
+        self._peak_where, self._peak_phase = "", ""
+
+    def _bury(self) -> None:
+        while self._dead:
+            key = self._dead.popleft()
+            size = self.sizes.pop(key, 0)
+            self._refs.pop(key, None)
+            if key in self._left_out:
+                self._left_out.discard(key)  # its id may be reused by a new storage
+            else:
+                self._now -= size
+
+    def _see(self, storage: torch.UntypedStorage) -> None:
+        self._bury()  # first: a dead storage's id may be this one's
+        key, size = id(storage), storage.nbytes()
+        old = self.sizes.get(key)
+        if old is None:
+            self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._dead.append(key))
+        self.sizes[key] = size
+        if key not in self._left_out:
+            self._now += size - (old or 0)
+
+    def _sample(self, where: Any = "") -> None:
+        self._bury()
+        if self._now > self.peak:
+            self.peak, self._peak_where = self._now, where  # an op: named only when the peak is read
+            self._peak_phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward or step"
+            if self.roles is not None:
+                roles, split = self.roles(), dict.fromkeys(CATEGORIES, 0)
+                for key, size in self.sizes.items():
+                    if key not in self._left_out:
+                        split[next((c for c, keys in roles.items() if key in keys), "other")] += size
+                self.at_peak = split
+
+    @property
+    def now(self) -> int:
+        """Bytes alive now (not left out)."""
+        self._bury()
+        return self._now
+
+    @property
+    def peak_at(self) -> str:
+        """The op (or storage resize) that reached the peak, and in which phase."""
+        return f"{self._peak_where} ({self._peak_phase})"
+
+    def restart(self, leave_out_alive: bool = False) -> None:
+        """A new peak from now on; with ``leave_out_alive``, what is alive now is never counted again."""
+        self._bury()
+        if leave_out_alive:
+            self._left_out, self._now = set(self.sizes), 0
+        self.peak = -1
+        self._sample("restart")
+
+    def __enter__(self) -> "LiveTensorBytes":
+        with warnings.catch_warnings():  # gc also holds torch's deprecated aliases, which warn when inspected
+            warnings.simplefilter("ignore")
+            tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+        for t in tensors:
+            for s in _storages(t):
+                self._see(s)
+        self._resize = torch.UntypedStorage.resize_
+
+        def resize_(storage, size):  # not an op: TorchDispatchMode does not see it
+            out = self._resize(storage, size)
+            self._see(storage)
+            self._sample("UntypedStorage.resize_")
+            return out
+        torch.UntypedStorage.resize_ = resize_
+        self.restart()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor run its local ops, which come back here
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):  # in-place ops and ``out=`` return their tensors too
+            for s in _storages(t):
+                self._see(s)
+        self._sample(func)
+        return out
+
+
+def _roles(setup: _Setup) -> Callable[[], dict[str, set[int]]]:
+    """What each storage is now: module parameters or tensor attributes, their gradients, optimizer state."""
+    optimizers = [setup.optimizer, *(v for v in vars(setup.optimizer).values() if isinstance(v, torch.optim.Optimizer))]
+
+    modules = list(setup.model.modules())
+
+    def roles() -> dict[str, set[int]]:
+        tensors = [t for m in modules for t in [*m._parameters.values(), *vars(m).values()]
+                   if isinstance(t, torch.Tensor)]
+        tensors += [p for o in optimizers for g in o.param_groups for p in g["params"]]
+        ids = lambda ts: {id(s) for t in ts for s in _storages(t)}  # noqa: E731
+        return {"params": ids(tensors), "grads": ids(t.grad for t in tensors),
+                "optimizer": ids(v for o in optimizers for s in o.state.values() for v in s.values())}
+    return roles
+
+
+def _memory(size: Size, x: torch.Tensor, y: torch.Tensor, steps: int, names: list[str]) -> dict[str, dict]:
+    """Per contender, one at a time: the peak live bytes of each of ``steps`` steps, at rest before them,
+    and the split at the peak; nothing that was alive before the contender was built is counted.
+
+    One meter from before the first contender is built until the last is gone: everything a
+    contender allocates (build, warm-up steps) is an op's output, so the meter knows it when the
+    metered steps start (checked against a gc census of every contender: equal to the byte).
+    """
+    out = {}
+    meter = LiveTensorBytes()
+    gc.freeze()  # what exists now stays: the collections below scan only what is new
+    try:
+        with meter:
+            for name in names:
+                gc.collect()  # the previous contender's cycles go now, not during this one's steps
+                meter.restart(leave_out_alive=True)
+                setup = _build(name, size)
+                # Unmetered: optimizer state; torch DDP rebuilds its buckets in the second forward
+                # (old and new alive at once, one time); ours ZeRO-3 records its order in the first backward.
+                _train(setup, x, y, 2)
+                meter.roles = _roles(setup)
+                result = {"peak": [], "at_peak": [], "at_rest": [], "peak_at": []}
+                for _ in range(steps):
+                    gc.disable()  # no collection of unrelated garbage inside a metered step
+                    try:
+                        meter.restart()
+                        result["at_rest"].append(meter.now)
+                        _train(setup, x, y, 1)
+                    finally:
+                        gc.enable()
+                    for key, value in (("peak", meter.peak), ("at_peak", meter.at_peak), ("peak_at", meter.peak_at)):
+                        result[key].append(value)
+                out[name] = result
+                meter.roles = None
+                del setup
+    finally:
+        gc.unfreeze()
+    return out
+
+
+# --------------------------------------------------------------------------- the worker
+@dataclass(frozen=True)
+class Plan:
+    size: Size
+    steps: int              # training steps per timed call
+    repeats: int            # timed rounds per launch (after one warm-up round)
+    metered_steps: int      # memory: steps metered per contender (0: no memory pass)
+    defaults: bool = False  # memory: also ours' wrappers with their defaults
+    lr_factor: tuple[tuple[str, float], ...] = ()  # (contender, factor): a test makes one wrong on purpose
+
+
+FULL_PLAN = Plan(FULL, steps=2, repeats=6, metered_steps=1, defaults=True)
+QUICK_PLAN = Plan(QUICK, steps=1, repeats=2, metered_steps=1)
+
+
+def _worker(rank: int, world_size: int, plan: Plan) -> dict:
+    torch.set_num_threads(1)  # the ranks share the cores; more threads per rank only contend
+    size, lr_factor = plan.size, dict(plan.lr_factor)
     g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(64, 256, generator=g), torch.randint(10, (64,), generator=g)
-
-    def train(name, n):
-        fwd, step, zero_grad, _ = setups[name]
-        for _ in range(n):
-            zero_grad()
-            F.cross_entropy(fwd(x), y).backward()
-            step()
-
-    for name in list(setups):
-        try:
-            train(name, 2)
-        except Exception:
-            errors[name] = traceback.format_exc().strip().splitlines()[-1][:300]
-            del setups[name]
-    memory = {name: setups[name][3]() for name in setups}
-    samples = {name: [] for name in setups}
-    for repeat in range(repeats):
-        names = list(setups)
-        for name in names[repeat % len(names):] + names[:repeat % len(names)]:  # rotated: no fixed position
-            dist.barrier()
-            start = time.perf_counter()
-            train(name, steps)
-            dist.barrier()
-            samples[name].append((time.perf_counter() - start) / steps)
-    return {"samples": samples, "memory": memory, "errors": errors}
+    x, y = torch.randn(size.batch, size.dim, generator=g), torch.randint(size.classes, (size.batch,), generator=g)
+    memory = {}
+    if plan.metered_steps:  # before the timed contenders exist: one contender in the process at a time
+        memory = _memory(size, x, y, plan.metered_steps, CONTENDERS + (DEFAULTS if plan.defaults else []))
+    setups = {name: _build(name, size, lr_factor.get(name, 1.0)) for name in CONTENDERS}
+    contenders = [Contender(name, run=functools.partial(_train, setups[name], x, y, plan.steps),
+                            result=setups[name].full_params) for name in CONTENDERS]
+    timing = measure(contenders, REFERENCE, repeats=plan.repeats, warmup=1, check=_check)
+    per_rank = [None] * world_size
+    dist.all_gather_object(per_rank, memory)
+    return {"timing": timing, "memory": {n: [r[n] for r in per_rank] for n in memory}}
 
 
-def run(quick: bool = False) -> dict:
-    world_size = 2
-    steps, repeats = (3, 3) if quick else (5, 9)
-    ranks = run_distributed(_worker, world_size, steps, repeats, backend="gloo", timeout_s=1200)
-    samples, errors = ranks[0]["samples"], ranks[0]["errors"]
-    result = {"name": "zero", "machine": machine_info(), "world_size": world_size,
-              "model": "MLP 256-1024-1024-256-10, AdamW", "batch_per_rank": 64, "repeats": repeats,
-              "note": "gloo CPU ranks on one machine, possibly shared: contenders interleaved, medians",
-              "median_step_s": {n: median(s) for n, s in samples.items()},
-              "memory_per_rank": {n: [r["memory"][n] for r in ranks] for n in samples},
-              "errors": errors, "comparisons": {}}
-    opt_bytes = result["memory_per_rank"]
-    for name in ("ours ZeRO-1", "torch ZeroRedundancyOptimizer"):
-        if name in opt_bytes:
-            per_rank = [m["optimizer"] for m in opt_bytes[name]]
-            result[f"optimizer_state_split {name}"] = [b / sum(per_rank) for b in per_rank]
-    pairs = [("ours ZeRO-1", "torch ZeroRedundancyOptimizer"), ("ours ZeRO-3", "torch FSDP2 (fully_shard)"),
-             ("ours ZeRO-2", "torch FSDP2 (fully_shard, reshard_after_forward=False)")]
-    for ours, builtin in pairs:
-        if ours in samples and builtin in samples:
-            result["comparisons"][f"{ours} vs {builtin} (step time)"] = comparison(
-                samples[ours], samples[builtin], world_size, "MLP 1.6M params")
-    if "ours ZeRO-1" in opt_bytes and "torch ZeroRedundancyOptimizer" in opt_bytes:
-        imbalance = lambda n: max(m["optimizer"] for m in opt_bytes[n]) / (sum(m["optimizer"] for m in opt_bytes[n]) / world_size)  # noqa: E731
-        result["comparisons"]["ZeRO-1 optimizer-state imbalance (max/mean): ours vs torch"] = comparison(
-            imbalance("ours ZeRO-1"), imbalance("torch ZeroRedundancyOptimizer"), world_size,
-            "MLP 1.6M params", metric="bytes", unit="ratio")
+# --------------------------------------------------------------------------- rows, note, table, plot
+MEMORY_MEANING = "peak bytes per rank during a step, ours / torch's; below 1: ours holds less"
+
+
+def _peaks(memory: list[list[dict]]) -> list[list[int]]:
+    """Per launch, per metered step: the largest peak over the ranks."""
+    return [[max(rank["peak"][k] for rank in ranks) for k in range(len(ranks[0]["peak"]))] for ranks in memory]
+
+
+def _memory_row(memory: dict, ours: str, torchs: str, **row: Any) -> dict:
+    o, t = _peaks(memory[ours]), _peaks(memory[torchs])
+    return stat_row([[a / b for a, b in zip(lo, lt)] for lo, lt in zip(o, t)], meaning=MEMORY_MEANING,
+                    metric="bytes", unit="B", ours=statistics.median(v for lo in o for v in lo),
+                    builtin=statistics.median(v for lt in t for v in lt), **row)
+
+
+def _worst(memory: list[list[dict]]) -> tuple[int, dict, str, int]:
+    """The largest peak over launches, ranks and steps: (bytes, its split, the op that reached it, bytes at rest)."""
+    return max(((m["peak"][k], m["at_peak"][k], m["peak_at"][k], m["at_rest"][k])
+                for ranks in memory for m in ranks for k in range(len(m["peak"]))), key=lambda t: t[0])
+
+
+WHY_ZERO3 = ("ours allocates a unit's full fp32 gradient buffer at the unit's first gradient, while that unit and "
+             "the prefetched next one are still gathered (solutions/phase3_multi_node/fsdp.py, _on_grad_ready); "
+             "FSDP2 lets autograd write the unsharded gradients, frees the unit's parameters, then copies the "
+             "gradients into its reduce-scatter buffer: about one unit less at the peak")
+
+
+def _memory_note(result: dict) -> str:
+    """What the memory ratios do not show: ours with its defaults, and why a stage is above 1.05."""
+    defaults, above = [], []
+    for w, per in result["per_world_size"].items():
+        memory = per["memory"]
+        if DEFAULTS[0] in memory:
+            ratios = (_memory_row(memory, d, STAGES[s][1], world_size=int(w), size="")["ratio"]
+                      for s, d in zip(STAGES, DEFAULTS))
+            defaults.append(f"W={w} " + ", ".join(f"ZeRO-{s} {r:.2f}" for s, r in zip(STAGES, ratios)))
+        for stage, (ours, torchs) in STAGES.items():
+            row = result["comparisons"].get(f"ZeRO-{stage} W={w} peak memory: {ours} / {torchs}")
+            if row and row["ratio"] > 1.05:
+                (po, so, ao, _), (pt, st, at, _) = _worst(memory[ours]), _worst(memory[torchs])
+                split = lambda sp: ", ".join(f"{c} {format_bytes(sp[c])}" for c in CATEGORIES)  # noqa: E731
+                above.append(f"W={w} ZeRO-{stage} peak {row['ratio']:.3f} > 1.05: ours {format_bytes(po)} at {ao} "
+                             f"({split(so)}); torch's {format_bytes(pt)} at {at} ({split(st)})")
+                if stage == 3 and WHY_ZERO3 not in above:
+                    above.append(WHY_ZERO3)
+    if defaults:
+        defaults = [f"ours with its defaults (ZeRO-1/2: one 25 MiB bucket, so AdamW's temporaries span this rank's "
+                    f"chunk of the whole model; ZeRO-2/3: two reduce-scatters in flight; ZeRO-3: proj, norm and "
+                    f"head are units too), peak / torch's: {'; '.join(defaults)}"]
+    return "; ".join(defaults + sorted(above, key=lambda line: line == WHY_ZERO3))  # the why last
+
+
+def _rows(runs: list[dict], world_size: int, size: Size) -> dict[str, dict]:
+    rows, what, memory = {}, size.describe(), _by_name(runs)
+    for stage, (ours, torchs) in STAGES.items():
+        rows[f"ZeRO-{stage} W={world_size} step time: {ours} / {torchs}"] = ratio_row(
+            runs, ours, torchs, key=lambda result: result["timing"], world_size=world_size, size=what,
+            meaning=f"step time of {ours} / {torchs} (below 1: ours faster)")
+        if memory:
+            rows[f"ZeRO-{stage} W={world_size} peak memory: {ours} / {torchs}"] = _memory_row(
+                memory, ours, torchs, world_size=world_size, size=what, load=load_of(runs))
+    return rows
+
+
+def _by_name(runs: list[dict]) -> dict[str, list[list[dict]]]:
+    """Contender -> per launch, per rank: its memory figures."""
+    return {n: [r["result"]["memory"][n] for r in runs] for n in runs[0]["result"]["memory"]}
+
+
+def _table(result: dict) -> list[dict]:
     rows = []
-    for name in samples:
-        mems = opt_bytes[name]
-        rows.append({"contender": name, "step ms": f"{result['median_step_s'][name] * 1e3:.1f}",
-                     **{k: " / ".join(format_bytes(m[k]) for m in mems if k in m)
-                        for k in ("params", "grads", "optimizer", "peak params", "peak grads")}})
-    for name, err in errors.items():
-        rows.append({"contender": name, "step ms": "did not run", "params": err[:60]})
-    result["table"] = rows
+    for w, per in result["per_world_size"].items():
+        for name in CONTENDERS + [d for d in DEFAULTS if d in per["memory"]]:
+            step = per["median_step_s"].get(name)
+            row = {"W": w, "contender": name, "step ms": f"{step * 1e3:.1f}" if step else "-"}
+            if name in per["memory"]:  # the rank, step and launch with the largest peak, split at that moment
+                peak, split, where, rest = _worst(per["memory"][name])
+                row.update({"peak/rank": format_bytes(peak), "at rest": format_bytes(rest),
+                            **{c: format_bytes(split[c]) for c in CATEGORIES}, "peak at": where})
+            rows.append(row)
+    return rows
+
+
+def run(quick: bool = False, out_dir: Path | None = None, launches: int = 3,
+        world_sizes: tuple[int, ...] | None = None) -> dict:
+    out_dir = Path(out_dir or RESULTS)
+    plan = QUICK_PLAN if quick else FULL_PLAN
+    world_sizes = world_sizes or ((2,) if quick else (2, 4))
+    result = {"name": "zero", "machine": machine_info(), "model": plan.size.describe(), "plan": asdict(plan),
+              "world_sizes": list(world_sizes), "launches": launches, "per_world_size": {}, "comparisons": {},
+              "note": "gloo CPU ranks on one machine (maybe shared); time: contenders rotated per repeat, the "
+                      "slowest rank's time; every contender's parameters checked against torch DDP's after the "
+                      "warm-up and after the last repeat; memory: one meter for all (LiveTensorBytes: every tensor "
+                      "storage alive in the process, sampled after every op and storage resize) over one "
+                      "contender at a time, after two unmetered steps, the input batch left out; a row's ratio: "
+                      "the largest peak over the ranks, ours / torch's, per launch"}
+    for w in world_sizes:
+        runs = launch(_worker, w, plan, launches=launches, backend="gloo", timeout_s=1800)
+        result["per_world_size"][str(w)] = {
+            "median_step_s": {n: statistics.median(t / plan.steps for r in runs
+                                                   for t in r["result"]["timing"]["times"][n]) for n in CONTENDERS},
+            "load": load_of(runs), "samples_s": [r["result"]["timing"]["times"] for r in runs],
+            "memory": _by_name(runs)}
+        result["comparisons"].update(_rows(runs, w, plan.size))
+    result["memory_note"] = _memory_note(result)
+    result["table"] = _table(result)
     from distlab.plots import plot_bars
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    png = plot_bars({f"{n} r{r}": sum(v for k, v in m.items() if not k.startswith("peak")) / 2**20 for n in samples for r, m in enumerate(opt_bytes[n])},
-                    RESULTS / "zero_memory.png", "MiB per rank (params + grads + optimizer state)",
-                    f"per-rank memory at rest, W={world_size}")
-    result["plot"] = str(png.relative_to(RESULTS.parent.parent))
+    w = str(max(world_sizes))
+    memory = result["per_world_size"][w]["memory"]
+    peaks = {f"{n} r{r}": max(m["peak"]) for n in CONTENDERS if n in memory
+             for r, m in enumerate(memory[n][0])}  # the first launch's ranks
+    if peaks:
+        png = plot_bars(peaks, out_dir / "zero_memory.png", "peak tensor bytes per rank",
+                        f"one step, {plan.size.describe()}, W={w} gloo CPU ranks", unit="bytes")
+        result["plot"] = png.name
     return result
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
+    parser.add_argument("--quick", action="store_true", help="a small model, W=2, fewer repeats")
     args = parser.parse_args(argv)
+    start = time.perf_counter()
     result = run(quick=args.quick)
     path = write_result("zero", result)
     print(format_table(result["table"]))
-    print("memory columns: rank 0 / rank 1, at rest after a step")
-    for key in (k for k in result if k.startswith("optimizer_state_split")):
-        print(f"{key.removeprefix('optimizer_state_split ')}: optimizer state split "
-              + " / ".join(f"{f:.1%}" for f in result[key]))
-    for name, err in result["errors"].items():
-        print(f"{name} could not run here: {err}")
+    print("peak/rank: the largest over ranks, launches and metered steps, split at that moment; "
+          "at rest: at that step's start")
+    for name, row in result["comparisons"].items():
+        print(f"{name}: {format_row(row)}")
+    if result["memory_note"]:
+        print(f"memory note: {result['memory_note']}")
+    plan = result["plan"]
+    print(f"{result['launches']} launches x {plan['repeats']} repeats x {plan['steps']} steps per world size; "
+          f"load average {[p['load'] for p in result['per_world_size'].values()]}; "
+          f"{time.perf_counter() - start:.0f} s")
     print(f"wrote {path} and {RESULTS / 'zero_memory.png'}")
 
 

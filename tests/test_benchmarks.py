@@ -115,6 +115,8 @@ def test_replay_with_equal_costs_gives_the_textbook_bubble_and_drops_communicati
     assert measured_bubble(compute, 2) < measured_bubble(events, 2)
 
 
+# zero: 3 launches of its 7 contenders take 16-24 s here, so the suite runs one launch of its worker
+# (test_zero_benchmark_fails_when_one_contender_trains_differently); `python -m benchmarks.run` the rest.
 @pytest.mark.parametrize("topic", ["collectives", "ddp", "pipeline"])
 def test_quick_benchmark_checks_results_and_reports_spread(topic, tmp_path):
     result = importlib.import_module(f"benchmarks.bench_{topic}").run(quick=True, out_dir=tmp_path)
@@ -124,6 +126,42 @@ def test_quick_benchmark_checks_results_and_reports_spread(topic, tmp_path):
         assert row["spread"]["min"] <= row["ratio"] <= row["spread"]["max"] and row["meaning"], name
         assert row["load"]["cores"] >= 1, name
     assert list(tmp_path.glob("*.png")), f"bench_{topic} --quick wrote no plot"
+
+
+def test_zero_benchmark_fails_when_one_contender_trains_differently():
+    import dataclasses
+
+    from benchmarks import bench_zero
+
+    # ours ZeRO-3 with a learning rate 1% off: after one AdamW step its parameters are ~1e-5 away
+    # from torch DDP's, which the check must catch (its tolerance is 1e-5 + 1e-4 relative).
+    plan = dataclasses.replace(bench_zero.QUICK_PLAN, repeats=1, metered_steps=0,
+                               lr_factor=(("ours ZeRO-3", 1.01),))
+    with pytest.raises(Exception, match="ContenderMismatch") as info:
+        harness.launch(bench_zero._worker, 2, plan, launches=1, backend="gloo", timeout_s=120)
+    message = str(info.value)
+    assert "ours ZeRO-3:" in message and "warm-up" in message, message
+    assert not any(f"{name}:" in message for name in bench_zero.CONTENDERS if name != "ours ZeRO-3"), message
+
+
+def test_live_tensor_bytes_counts_each_storage_once_at_its_peak():
+    from benchmarks.bench_zero import LiveTensorBytes
+
+    kept = torch.ones(250)  # 1000 B alive before: left out after restart(leave_out_alive=True)
+    with LiveTensorBytes() as meter:
+        meter.restart(leave_out_alive=True)
+        a = torch.zeros(1000)  # 4000 B
+        views = [a[:10], a.view(10, 100)]  # views share a's storage: not counted again
+        b = a + 1  # 4000 B more: the peak
+        del a, views, kept
+        assert (meter.now, meter.peak) == (4000, 8000)
+        b.untyped_storage().resize_(0)  # how FSDP frees a gathered unit
+        assert meter.now == 0
+        b.untyped_storage().resize_(2000)
+        assert meter.now == 2000 and meter.peak == 8000
+        meter.restart()
+        c = torch.empty(100)  # 400 B more than at the restart
+    assert (meter.now, meter.peak) == (2400, 2400) and c.numel() == 100
 
 
 def test_summary_and_readme_section_show_spread_and_meaning(tmp_path, monkeypatch):
