@@ -462,14 +462,8 @@ def _worst(memory: list[list[dict]]) -> tuple[int, dict, str, int]:
                 for ranks in memory for m in ranks for k in range(len(m["peak"]))), key=lambda t: t[0])
 
 
-WHY_ZERO3 = ("ours allocates a unit's full fp32 gradient buffer at the unit's first gradient, while that unit and "
-             "the prefetched next one are still gathered (solutions/phase3_multi_node/fsdp.py, _on_grad_ready); "
-             "FSDP2 lets autograd write the unsharded gradients, frees the unit's parameters, then copies the "
-             "gradients into its reduce-scatter buffer: about one unit less at the peak")
-
-
 def _memory_note(result: dict) -> str:
-    """What the memory ratios do not show: ours with its defaults, and why a stage is above 1.05."""
+    """What the memory ratios do not show: ours with its defaults, and where a stage above 1.05 peaks (ours, torch's)."""
     defaults, above = [], []
     for w, per in result["per_world_size"].items():
         memory = per["memory"]
@@ -484,13 +478,11 @@ def _memory_note(result: dict) -> str:
                 split = lambda sp: ", ".join(f"{c} {format_bytes(sp[c])}" for c in CATEGORIES)  # noqa: E731
                 above.append(f"W={w} ZeRO-{stage} peak {row['ratio']:.3f} > 1.05: ours {format_bytes(po)} at {ao} "
                              f"({split(so)}); torch's {format_bytes(pt)} at {at} ({split(st)})")
-                if stage == 3 and WHY_ZERO3 not in above:
-                    above.append(WHY_ZERO3)
     if defaults:
         defaults = [f"ours with its defaults (ZeRO-1/2: one 25 MiB bucket, so AdamW's temporaries span this rank's "
                     f"chunk of the whole model; ZeRO-2/3: two reduce-scatters in flight; ZeRO-3: proj, norm and "
                     f"head are units too), peak / torch's: {'; '.join(defaults)}"]
-    return "; ".join(defaults + sorted(above, key=lambda line: line == WHY_ZERO3))  # the why last
+    return "; ".join(defaults + above)
 
 
 def _rows(runs: list[dict], world_size: int, size: Size) -> dict[str, dict]:

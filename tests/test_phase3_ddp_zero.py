@@ -431,6 +431,36 @@ def test_zero3_tinygpt_units_match_single_process():
     run_distributed(_worker_zero3_gpt, 2)
 
 
+def _worker_zero3_unused(rank, world_size):
+    # The root unit holds used and unused parameters, so it is never complete in backward and is
+    # collected when backward ends: tied_frozen_unused (units=[mix]): root = embed (used) + unused;
+    # branchy (units=[a]): root = b (used on even ranks only) + never. Whatever gradient arrived must
+    # reach the reduce-scatter. AdamW without weight decay: a zero gradient leaves a parameter where
+    # it is, as the baseline's skipping of a None gradient does.
+    for kind, unit in (("tied_frozen_unused", "mix"), ("branchy", "a")):
+        baseline = _make(kind, 0)
+        base_opt = torch.optim.AdamW([p for p in baseline.parameters() if p.requires_grad], lr=0.01, weight_decay=0)
+        model = _make(kind, 0)
+        fsdp = _zero(3, model, units=[getattr(model, unit)])
+        opt = torch.optim.AdamW(fsdp.parameters(), lr=0.01, weight_decay=0)
+        for step in range(2):
+            what = f"rank {rank}, ZeRO-3, {kind} (units=[{unit}]), step {step}"
+            x, y = _batch(kind, step)
+            _baseline_step(baseline, base_opt, kind, x, y, world_size)
+            opt.zero_grad()
+            _loss(fsdp(shard(x, rank, world_size), **_use_b(kind, rank)), shard(y, rank, world_size)).backward()
+            opt.step()
+            full = _gathered(fsdp)
+            for name, expected in baseline.state_dict().items():
+                assert_tensors_close(full[name], expected, f"{what}, gathered {name}", **TOL)
+            _check_memory(fsdp, model, 3, rank, world_size, 8, what)  # no p.grad left behind either
+
+
+@pytest.mark.exercise("3.17-3.18 ZeRO-3")
+def test_zero3_unit_with_unused_parameters_matches_single_process():
+    run_distributed(_worker_zero3_unused, 2)
+
+
 def _bf16_model(kind: str, seed: int) -> nn.Module:
     if kind == "mlp":
         return seeded(ToyMLP, seed, 6, 10, 3)

@@ -8,7 +8,7 @@ optimizer built after wrapping, ``AdamW(fsdp.parameters())``, trains the shards.
 
     forward of unit u:   all_gather(chunks -> full flat, compute dtype) ; run u ; free the full flat
     backward of unit u:  all_gather again (prefetched while the unit before it runs backward) ;
-                         run u's backward ; free ; reduce_scatter(u's fp32 gradient) -> my chunk (async)
+                         run u's backward (into p.grads) ; free ; p.grads -> fp32 flat ; reduce_scatter -> my chunk
 
 Reduce-scatters launch as soon as a unit's gradients are complete, in one order every rank
 agrees on: first the reverse of the units with the root (tied gradients arrive last) at the
@@ -51,7 +51,7 @@ class Unit:
     full: torch.Tensor            # padded flat buffer (compute dtype); the params are views into it
     shard: nn.Parameter           # my chunk of it, in fp32: ``module.flat_shard``, what the optimizer updates
     ready: set[int] = field(default_factory=set)
-    grad_full: torch.Tensor | None = None   # fp32 full gradient, only until its reduce-scatter is done
+    grad_full: torch.Tensor | None = None   # fp32 full gradient: from the end of u's backward to its reduce-scatter
     handle: tuple[dist.Work, torch.Tensor] | None = None
     gather: dist.Work | None = None         # an all-gather in flight into `full`
 
@@ -115,10 +115,8 @@ class FullyShardedDataParallel(nn.Module):
         self.replicated = replicated_parameters(model, replicate)  # kept whole, gradients all-reduced
         whole = set(self.replicated)  # a set: `in` compares tensors by identity
         owners: dict[nn.Parameter, list[nn.Module]] = {p: [] for p in names if p.requires_grad and p not in whole}
-        for u in units:
-            for p in u.parameters():
-                if p in owners:
-                    owners[p].append(u)
+        for u, p in [(u, p) for u in units for p in u.parameters() if p in owners]:
+            owners[p].append(u)
         self.units: list[Unit] = []
         for module in [*units, model]:  # the root last: it keeps what no single unit owns
             mine = [p for p, us in owners.items() if (us == [module]) or (module is model and len(us) != 1)]
@@ -165,7 +163,7 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------ bookkeeping (pre-written)
     def _sample(self) -> None:
         held = self.memory_bytes()
-        held["grads"] += sum(nbytes(u.grad_full) for u in self.units)  # full gradients not yet freed
+        held["grads"] += sum(nbytes(g) for u in self.units for g in [u.grad_full, *(p.grad for p in u.params)])
         self.memory.sample(**held)
         self.max_gathered = max(self.max_gathered, sum(u.is_gathered() for u in self.units))
 
@@ -211,23 +209,25 @@ class FullyShardedDataParallel(nn.Module):
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         self.overlap.hook()
         u, j = self._where[p]
-        # ### BEGIN SOLUTION 3.18a: collect gradients into the unit's flat fp32 buffer [guidelines_ddp_zero.md#zero-3-fsdp]
-        # Goal: p's gradient moves, as fp32, into its place in u's full flat gradient (created on
-        # first use, like `u.full` in u.shard's dtype) and the full-size `p.grad` is dropped;
-        # p is marked ready, and once all of u's params are, u's gathered parameters are freed.
-        if u.grad_full is None:
-            u.grad_full = torch.zeros(u.full.numel(), dtype=u.shard.dtype, device=u.shard.device)
-        start = u.offsets[j]
-        u.grad_full[start:start + p.numel()].copy_(p.grad.reshape(-1))
-        p.grad = None
-        u.ready.add(j)
+        u.ready.add(j)  # p.grad stays where autograd put it (p's shape and dtype) until u's backward is over
         if len(u.ready) == len(u.params):
-            self._reshard(u)  # u's backward is over: its full parameters can go
-        # ### END SOLUTION 3.18a
-        if len(u.ready) == len(u.params):
+            self._collect(u)
             self._completed.append(self.units.index(u))
         self._launch_ready()
         self._sample()
+
+    def _collect(self, u: Unit) -> None:  # u's backward (with unused parameters: the whole one) is over
+        # ### BEGIN SOLUTION 3.18a: collect gradients into the unit's flat fp32 buffer [guidelines_ddp_zero.md#zero-3-fsdp]
+        # Goal: free u's gathered parameters FIRST (one unit less at the peak, FSDP2's order); then create
+        # u's flat gradient `u.grad_full` (zeros, `u.full`'s numel, u.shard's dtype and device), copy each
+        # `p.grad` there is (as fp32) into its place (no gradient, unused: stays zero) and drop it.
+        self._reshard(u)  # u's backward is over: its full parameters can go
+        u.grad_full = torch.zeros(u.full.numel(), dtype=u.shard.dtype, device=u.shard.device)
+        for p, start in zip(u.params, u.offsets):
+            if p.grad is not None:
+                u.grad_full[start:start + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None
+        # ### END SOLUTION 3.18a
 
     def _launch_ready(self, force: bool = False) -> None:
         """Reduce-scatter complete units, in ``self._order`` (the same sequence on every rank)."""
@@ -237,8 +237,8 @@ class FullyShardedDataParallel(nn.Module):
             u = self._order[self._next]
             if not force and len(u.ready) < len(u.params):
                 return
-            if u.grad_full is None:  # no gradient on this rank (unused): zeros
-                u.grad_full = torch.zeros(u.full.numel(), dtype=u.shard.dtype, device=u.shard.device)
+            if u.grad_full is None:  # incomplete on this rank (unused parameters): what arrived, zeros for the rest
+                self._collect(u)
             while len(flying := [v for v in self._order if v.handle]) >= self.max_in_flight:
                 self._retire(flying[0])  # bound the full gradients alive: wait for the oldest
             # ### BEGIN SOLUTION 3.18b: reduce-scatter a unit's gradient [guidelines_ddp_zero.md#zero-3-fsdp]
