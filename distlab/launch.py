@@ -270,6 +270,9 @@ def _child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s
     _IN_RUN_DISTRIBUTED = True
     os.environ.clear()
     os.environ.update(env)
+    # torch read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it: follow the launcher's now
+    # (a forkserver started under DETAIL kept wrapping every later run's groups; DDP then crashed).
+    dist.set_debug_level_from_env()
     if alive is not None:
         _die_with_launcher(alive, env[RUN_MARKER_ENV].rsplit(":", 1)[-1])
     if doctor_path:

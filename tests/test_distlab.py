@@ -474,3 +474,19 @@ def test_no_sync_restores_syncing_when_its_body_raises():
             pass
         assert wrapper.require_sync is False, "a nested no_sync turned syncing back on too early"
     assert wrapper.require_sync is True
+
+
+def _worker_debug_level(rank, world_size):
+    import torch.distributed as dist
+
+    return str(dist.get_debug_level())
+
+
+def test_ranks_follow_the_launchers_torch_distributed_debug_not_the_forkservers(monkeypatch):
+    """The forkserver imports torch once, reading TORCH_DISTRIBUTED_DEBUG then; every run's ranks must
+    use the launcher's value now (a forkserver started under DETAIL made later DDP runs crash)."""
+    run_distributed(_worker_debug_level, 1)  # the forkserver exists before the variable is set
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    assert run_distributed(_worker_debug_level, 2) == ["DebugLevel.DETAIL"] * 2
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG")
+    assert run_distributed(_worker_debug_level, 2) == ["DebugLevel.OFF"] * 2
