@@ -55,13 +55,10 @@ writes benchmarks/results/zero.json and zero_memory.png.
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
 import gc
 import statistics
 import time
-import warnings
-import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -70,12 +67,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.common import RESULTS, machine_info, write_result
 from benchmarks.harness import Contender, format_row, launch, load_of, measure, ratio_row, stat_row
 from distlab.comm import all_gather_single
+from distlab.meters import LiveTensorBytes, storages
 from distlab.metrics import format_bytes, format_table
 
 LR, WEIGHT_DECAY = 1e-3, 0.1
@@ -216,142 +212,6 @@ def _check(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
 
 
 # --------------------------------------------------------------------------- the memory meter
-def _storages(t: Any) -> list[torch.UntypedStorage]:
-    """The storages behind ``t`` (a DTensor: its local shard's), none for meta or fake tensors."""
-    if type(t) in (torch.Tensor, nn.Parameter):  # the common case, first: this runs after every op
-        return [t.untyped_storage()] if t.device.type != "meta" else []
-    if not isinstance(t, torch.Tensor):
-        return []
-    if hasattr(t, "__tensor_flatten__"):  # DTensor and other wrapper subclasses
-        names, _ = t.__tensor_flatten__()
-        return [s for n in names for s in _storages(getattr(t, n))]
-    if t.device.type == "meta" or type(t).__name__ == "FakeTensor":
-        return []
-    return [t.untyped_storage()]
-
-
-def _tensors(out: Any):
-    """The tensors an op returned (a tensor, or a tuple or list of them)."""
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, (tuple, list)):
-        for o in out:
-            yield from _tensors(o)
-
-
-class LiveTensorBytes(TorchDispatchMode):
-    """Bytes of tensor storage alive in this process while the ``with`` block runs, and their peak.
-
-    At entry, every tensor Python can reach (``gc.get_objects``); inside, every tensor an op
-    takes or returns (a TorchDispatchMode: DTensors are seen as their local shards) and every
-    ``UntypedStorage.resize_`` (how FSDP2 and ours free and re-allocate gathered parameters);
-    each storage counted once (views share it) until it is freed (a weakref callback), at its
-    current size. ``restart()`` leaves out what is alive at that moment for good (the input
-    batch, a previous contender's last buffers that gloo's thread still holds) and starts a
-    new peak. ``now`` and ``peak`` count the rest, sampled after every op and resize; ``at_peak``
-    splits the peak with ``roles()`` ({category: storage ids}, called at each new peak), if given.
-    Not seen, by any contender: memory inside one op (kernel workspaces) and the backend's own
-    buffers (gloo's temporaries); tensors held only by C++ and never passed to an op (none here:
-    torch DDP's buckets are its gradients).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.roles: Callable[[], dict[str, set[int]]] | None = None  # None: the peak is not split
-        self.sizes: dict[int, int] = {}  # id(storage) -> bytes, while it lives
-        self._refs: dict[int, weakref.ref] = {}
-        self._left_out: set[int] = set()
-        # A storage can die on gloo's thread, or in a garbage collection in the middle of this
-        # meter's own code: its callback only queues it; the meter's thread counts it at its next look.
-        self._dead: collections.deque[int] = collections.deque()
-        self._now = self.peak = 0  # bytes alive, not left out; the most of them since the last restart
-        self.at_peak: dict[str, int] = {}
-        self._peak_where, self._peak_phase = "", ""
-
-    def _bury(self) -> None:
-        while self._dead:
-            key = self._dead.popleft()
-            size = self.sizes.pop(key, 0)
-            self._refs.pop(key, None)
-            if key in self._left_out:
-                self._left_out.discard(key)  # its id may be reused by a new storage
-            else:
-                self._now -= size
-
-    def _see(self, storage: torch.UntypedStorage) -> None:
-        self._bury()  # first: a dead storage's id may be this one's
-        key, size = id(storage), storage.nbytes()
-        old = self.sizes.get(key)
-        if old is None:
-            self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._dead.append(key))
-        self.sizes[key] = size
-        if key not in self._left_out:
-            self._now += size - (old or 0)
-
-    def _sample(self, where: Any = "") -> None:
-        self._bury()
-        if self._now > self.peak:
-            self.peak, self._peak_where = self._now, where  # an op: named only when the peak is read
-            self._peak_phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward or step"
-            if self.roles is not None:
-                roles, split = self.roles(), dict.fromkeys(CATEGORIES, 0)
-                for key, size in self.sizes.items():
-                    if key not in self._left_out:
-                        split[next((c for c, keys in roles.items() if key in keys), "other")] += size
-                self.at_peak = split
-
-    @property
-    def now(self) -> int:
-        """Bytes alive now (not left out)."""
-        self._bury()
-        return self._now
-
-    @property
-    def peak_at(self) -> str:
-        """The op (or storage resize) that reached the peak, and in which phase."""
-        return f"{self._peak_where} ({self._peak_phase})"
-
-    def restart(self, leave_out_alive: bool = False) -> None:
-        """A new peak from now on; with ``leave_out_alive``, what is alive now is never counted again."""
-        self._bury()
-        if leave_out_alive:
-            self._left_out, self._now = set(self.sizes), 0
-        self.peak = -1
-        self._sample("restart")
-
-    def __enter__(self) -> "LiveTensorBytes":
-        with warnings.catch_warnings():  # gc also holds torch's deprecated aliases, which warn when inspected
-            warnings.simplefilter("ignore")
-            tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-        for t in tensors:
-            for s in _storages(t):
-                self._see(s)
-        self._resize = torch.UntypedStorage.resize_
-
-        def resize_(storage, size):  # not an op: TorchDispatchMode does not see it
-            out = self._resize(storage, size)
-            self._see(storage)
-            self._sample("UntypedStorage.resize_")
-            return out
-        torch.UntypedStorage.resize_ = resize_
-        self.restart()
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        torch.UntypedStorage.resize_ = self._resize
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # let DTensor run its local ops, which come back here
-        out = func(*args, **(kwargs or {}))
-        for t in _tensors(out):  # in-place ops and ``out=`` return their tensors too
-            for s in _storages(t):
-                self._see(s)
-        self._sample(func)
-        return out
-
-
 def _roles(setup: _Setup) -> Callable[[], dict[str, set[int]]]:
     """What each storage is now: module parameters or tensor attributes, their gradients, optimizer state."""
     optimizers = [setup.optimizer, *(v for v in vars(setup.optimizer).values() if isinstance(v, torch.optim.Optimizer))]
@@ -362,7 +222,7 @@ def _roles(setup: _Setup) -> Callable[[], dict[str, set[int]]]:
         tensors = [t for m in modules for t in [*m._parameters.values(), *vars(m).values()]
                    if isinstance(t, torch.Tensor)]
         tensors += [p for o in optimizers for g in o.param_groups for p in g["params"]]
-        ids = lambda ts: {id(s) for t in ts for s in _storages(t)}  # noqa: E731
+        ids = lambda ts: {id(s) for t in ts for s in storages(t)}  # noqa: E731
         return {"params": ids(tensors), "grads": ids(t.grad for t in tensors),
                 "optimizer": ids(v for o in optimizers for s in o.state.values() for v in s.values())}
     return roles
