@@ -487,7 +487,11 @@ def start_watchdog(store, rank: int, world_size: int, timeout_s: float, interval
 
 # --------------------------------------------------------------------------- python -m distlab.doctor
 def main(argv: list[str] | None = None) -> int:
-    """Diagnose a hang from the flight-recorder dump files of its ranks (``PREFIX<rank>``)."""
+    """Diagnose a hang from the flight-recorder dump files of its ranks (``PREFIX<rank>``).
+
+    A file that cannot be read as a dump (missing, unpicklable, or a pickle of something else)
+    ends the command with one line on stderr naming the file and the problem, and exit code 2.
+    """
     parser = argparse.ArgumentParser(
         prog="python -m distlab.doctor",
         description="Name the rank a hung job waited for, from PyTorch's flight-recorder dumps (one file per "
@@ -495,13 +499,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flight-recorder", metavar="PREFIX|DIR", required=True,
                         help="the files' common prefix (e.g. /tmp/nccl_trace_rank_), or a folder holding them")
     args = parser.parse_args(argv)
+
+    def refuse(message: str) -> None:  # a bad input is not a crash: one line, no traceback, no usage
+        print(f"{parser.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
     try:
         paths = flight_recorder.find_dumps(args.flight_recorder)
-        dumps = {rank: flight_recorder.load(path) for rank, path in paths.items()}
-    except (OSError, ValueError, EOFError, pickle.UnpicklingError) as exc:
-        parser.error(str(exc))
+    except (OSError, ValueError) as exc:
+        refuse(str(exc))
+    dumps, records = {}, {}
+    for rank, path in sorted(paths.items()):
+        try:
+            dumps[rank] = flight_recorder.load(path)
+            records[rank] = flight_recorder.cut(flight_recorder.to_records(dumps[rank]))
+        except pickle.UnpicklingError as exc:
+            refuse(f"{path}: {exc}")
+        except (OSError, ValueError) as exc:  # load's ValueError names the file already
+            refuse(str(exc) if path in str(exc) else f"{path}: {exc}")
+        except EOFError:
+            refuse(f"{path}: the file ends before the dump does (truncated? written while the rank died?)")
+        except (KeyError, TypeError, IndexError, AttributeError) as exc:  # what load's checks missed
+            refuse(f"{path}: not a flight-recorder dump this doctor can read ({type(exc).__name__}: {exc}); "
+                   "pass the files torch wrote (TORCH_NCCL_DUMP_ON_TIMEOUT=1)")
     world_size = flight_recorder.world_size(dumps)
-    records = {rank: flight_recorder.cut(flight_recorder.to_records(data)) for rank, data in dumps.items()}
     states = {rank: "no dump file" for rank in range(world_size) if rank not in dumps}
     now = max(os.path.getmtime(path) for path in paths.values())  # "since" counts to the last dump
     findings, text = diagnose(records, states, world_size, now)

@@ -273,11 +273,71 @@ class _DataOnly(pickle.Unpickler):
 
 
 def load(path: str) -> dict:
+    """One dump file, checked: a ``ValueError`` names the file and what is wrong with it."""
     with open(path, "rb") as f:
         data = _DataOnly(f).load()
-    if not isinstance(data, dict) or "entries" not in data:
-        raise ValueError(f"{path} is not a flight-recorder dump (no 'entries')")
+    problem = malformed(data)
+    if problem:
+        raise ValueError(f"{path} is not a flight-recorder dump this doctor can read: {problem}")
     return data
+
+
+_INT, _NUM, _STR = (int,), (int, float), (str,)
+# What ``to_records``, ``_groups`` and ``world_size`` read from an entry: key -> (types, required).
+_ENTRY_KEYS = {"record_id": (_INT, True), "profiling_name": (_STR, True), "process_group": ((list, tuple), True),
+               "time_created_ns": (_NUM, True), "collective_seq_id": (_INT, False),
+               "time_discovered_completed_ns": (_NUM + (type(None),), False), "state": (_STR + (type(None),), False),
+               "is_p2p": ((bool, int, type(None)), False), "input_sizes": ((list, tuple, type(None)), False),
+               "output_sizes": ((list, tuple, type(None)), False), "input_dtypes": ((list, tuple, type(None)), False),
+               "output_dtypes": ((list, tuple, type(None)), False)}
+
+
+def _kind(value) -> str:
+    return f"{value!r}"[:40] + f" ({type(value).__name__})"
+
+
+def malformed(data) -> str | None:
+    """What keeps ``data`` from being read as a dump (the first problem), or None when it can be.
+
+    torch writes the dumps, but a file named like one may hold anything: a truncated or
+    hand-made pickle, another tool's dict, a dump of a torch whose format changed. The
+    doctor refuses those in one line instead of failing deep inside ``to_records``.
+    """
+    if not isinstance(data, dict):
+        return f"it holds a {type(data).__name__}, not the dict torch writes"
+    if "entries" not in data:
+        return f"it has no 'entries' (its keys: {', '.join(map(str, list(data)[:8])) or 'none'})"
+    if not isinstance(data["entries"], (list, tuple)):
+        return f"'entries' is {_kind(data['entries'])}, not a list"
+    config = data.get("pg_config")
+    if config is not None and not (isinstance(config, dict) and all(isinstance(c, dict) for c in config.values())):
+        return f"'pg_config' is {_kind(config)}, not a dict of groups"
+    for i, e in enumerate(data["entries"]):
+        if not isinstance(e, dict):
+            return f"entry {i} is {_kind(e)}, not a dict"
+        for key, (types, required) in _ENTRY_KEYS.items():
+            if key not in e:
+                if required:
+                    return f"entry {i} has no {key!r}"
+                continue
+            if not isinstance(e[key], types) or (isinstance(e[key], bool) and types in (_INT, _NUM)):
+                return f"entry {i}: {key!r} is {_kind(e[key])}"
+        pg = e["process_group"]
+        if len(pg) != 2 or not all(isinstance(x, str) for x in pg):
+            return f"entry {i}: 'process_group' is {_kind(pg)}, not (name, description)"
+        op, _, meta = e["profiling_name"].partition(":")[2].partition(" ")
+        if op in ("send", "recv"):
+            if not re.fullmatch(r"\s*-?\d+\s*(->|<-)\s*-?\d+\s*", meta):
+                return f"entry {i}: {op} {meta!r} names no peer (expected e.g. 'send 0->1')"
+        elif not e.get("is_p2p") and "collective_seq_id" not in e:
+            return f"entry {i} ({e['profiling_name']}) has no 'collective_seq_id'"
+        for sizes, dtypes in (("input_sizes", "input_dtypes"), ("output_sizes", "output_dtypes")):
+            shapes = e.get(sizes) or []
+            if not all(isinstance(s, (list, tuple)) and all(isinstance(d, int) for d in s) for s in shapes):
+                return f"entry {i}: {sizes!r} is {_kind(shapes)}, not a list of shapes"
+            if not all(isinstance(d, str) for d in e.get(dtypes) or []):
+                return f"entry {i}: {dtypes!r} is {_kind(e.get(dtypes))}, not a list of dtype names"
+    return None
 
 
 def find_dumps(target: str) -> dict[int, str]:

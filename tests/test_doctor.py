@@ -305,3 +305,60 @@ def test_the_doctor_cli_refuses_a_dump_that_would_run_code(tmp_path, capsys):
         doctor.main(["--flight-recorder", str(tmp_path / "nccl_trace_rank_")])
     assert info.value.code == 2 and not (tmp_path / "ran").exists()
     assert "refusing io.open" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- malformed dump files
+def _entry(**changes) -> dict:
+    """One entry as torch 2.14's gloo writes it (the keys the doctor reads), with ``changes``."""
+    entry = {"record_id": 0, "process_group": ("0", "default_pg"), "collective_seq_id": 1,
+             "profiling_name": "gloo:all_reduce", "time_created_ns": 1_700_000_000_000_000_000,
+             "input_sizes": [[4]], "input_dtypes": ["Float"], "output_sizes": [[4]], "output_dtypes": ["Float"],
+             "state": "scheduled", "time_discovered_completed_ns": None, "retired": True, "is_p2p": False}
+    entry.update(changes)
+    return {k: v for k, v in entry.items() if v is not _DROP}
+
+
+_DROP = object()
+_MALFORMED = {  # what the file holds -> what the one line must say
+    "a-list": ([_entry()], r"holds a list, not the dict"),
+    "no-entries": ({"version": "2.10", "pg_config": {}}, r"has no 'entries' \(its keys: version, pg_config\)"),
+    "entries-not-a-list": ({"entries": {"0": _entry()}}, r"'entries' is .* not a list"),
+    "entry-not-a-dict": ({"entries": [_entry(), "all_reduce"]}, r"entry 1 is 'all_reduce' \(str\), not a dict"),
+    "missing-key": ({"entries": [_entry(record_id=_DROP)]}, r"entry 0 has no 'record_id'"),
+    "wrong-type": ({"entries": [_entry(time_created_ns="yesterday")]}, r"entry 0: 'time_created_ns' is 'yesterday'"),
+    "no-seq-id": ({"entries": [_entry(collective_seq_id=_DROP)]}, r"entry 0 \(gloo:all_reduce\) has no 'collective_seq_id'"),
+    "send-without-peer": ({"entries": [_entry(profiling_name="nccl:send to-one")]}, r"entry 0: send 'to-one' names no peer"),
+    "bad-shapes": ({"entries": [_entry(input_sizes=[4])]}, r"entry 0: 'input_sizes' is \[4\] .*not a list of shapes"),
+    "bad-group": ({"entries": [_entry(process_group=("0",))]}, r"entry 0: 'process_group' is .*not \(name, description\)"),
+    "bad-pg-config": ({"entries": [], "pg_config": ["0"]}, r"'pg_config' is .*not a dict of groups"),
+}
+
+
+@pytest.mark.parametrize("case", list(_MALFORMED))
+def test_the_doctor_cli_refuses_a_malformed_dump_in_one_line(case, tmp_path, capsys):
+    """A pickle torch did not write (or a torch whose format changed): exit code 2 and one line naming the
+    file and the problem, where the doctor used to crash with a traceback from deep inside to_records."""
+    data, says = _MALFORMED[case]
+    path = tmp_path / "nccl_trace_rank_0"
+    path.write_bytes(pickle.dumps(data))
+    with pytest.raises(SystemExit) as info:  # any other exception is the traceback this test exists against
+        doctor.main(["--flight-recorder", str(tmp_path / "nccl_trace_rank_")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert str(path) in err and re.search(says, err), err
+
+
+def test_the_doctor_cli_refuses_a_truncated_dump_in_one_line(tmp_path, capsys):
+    (tmp_path / "trace1").write_bytes(pickle.dumps({"entries": [_entry()]})[:-9])
+    with pytest.raises(SystemExit) as info:
+        doctor.main(["--flight-recorder", str(tmp_path / "trace")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1 and "trace1" in err, err
+
+
+def test_a_well_formed_hand_made_dump_is_read():
+    """The checks refuse what the doctor cannot read, not what torch writes (the CLI tests above read real dumps)."""
+    data = {"entries": [_entry(), _entry(record_id=1, profiling_name="nccl:send 0->1", collective_seq_id=_DROP,
+                                         is_p2p=True)], "pg_config": {"0": {"desc": "default_pg", "ranks": "[0, 1]"}}}
+    assert flight_recorder.malformed(data) is None
+    assert [r["op"] for r in flight_recorder.to_records(data)] == ["all_reduce", "send"]
