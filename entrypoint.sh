@@ -12,7 +12,7 @@
 #   NNODES        number of nodes (default 1; "MIN:MAX" for an elastic job)
 #   NODE_RANK     this node's rank (multi-node; with c10d rendezvous it is only a hint)
 #   MASTER_ADDR   rendezvous host (multi-node; default 127.0.0.1)
-#   MASTER_PORT   rendezvous port (multi-node; default 29500)
+#   MASTER_PORT   rendezvous port (multi-node; default 29500; an integer 1-65535)
 #   RDZV_ID       job id shared by all nodes of one job (default: distlab)
 #   MAX_RESTARTS  torchrun --max-restarts (default 0)
 #
@@ -93,6 +93,34 @@ fi
   bad "MAX_RESTARTS='$MAX_RESTARTS' is not a number of restarts: use a whole number (MAX_RESTARTS=3), or 0 for none"
 [[ -z "${NODE_RANK:-}" || "$NODE_RANK" =~ ^[0-9]+$ ]] ||
   bad "NODE_RANK='$NODE_RANK' is not a node rank: use 0 on the first node, 1 on the next, ... (NODE_RANK=0)"
+
+# The rendezvous address: checked wherever it is set (one node ignores it, but a bad value is a
+# mistake all the same) and resolved where it is used (several nodes), so a typo is one line here,
+# not torchrun's traceback. MASTER_PORT: an integer 1-65535 (0 would let each node pick its own).
+if [[ -n "${MASTER_PORT+set}" ]]; then
+  [[ "$MASTER_PORT" =~ ^[0-9]{1,5}$ ]] && (( 10#$MASTER_PORT >= 1 && 10#$MASTER_PORT <= 65535 )) ||
+    bad "MASTER_PORT='$MASTER_PORT' is not a TCP port: use an integer from 1 to 65535 that is free on node 0" \
+        "(MASTER_PORT=29500)"
+fi
+if [[ -n "${MASTER_ADDR+set}" ]]; then
+  [[ -n "${MASTER_ADDR//[[:space:]]/}" ]] ||
+    bad "MASTER_ADDR is set but empty: name node 0's host or IP address (MASTER_ADDR=10.0.0.1), or unset it" \
+        "for 127.0.0.1"
+  if [[ "$MASTER_ADDR" =~ ^[^:]+:[0-9]+$ ]]; then
+    bad "MASTER_ADDR='$MASTER_ADDR' has a port: use MASTER_ADDR=${MASTER_ADDR%:*} MASTER_PORT=${MASTER_ADDR##*:}"
+  fi
+  [[ "$MASTER_ADDR" =~ ^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$ || "$MASTER_ADDR" =~ ^\[?[0-9A-Fa-f:.]+(%[A-Za-z0-9]+)?\]?$ ]] ||
+    bad "MASTER_ADDR='$MASTER_ADDR' is not a host name or IP address: write node 0's address alone" \
+        "(MASTER_ADDR=node0 or 10.0.0.1; the port goes in MASTER_PORT)"
+  if [[ "$NNODES" != "1" && ! "$MASTER_ADDR" =~ ^[0-9.]+$ && "$MASTER_ADDR" != *:* ]]; then
+    # A name: one lookup, bounded (an unreachable DNS server must not hold the job for minutes).
+    if command -v getent > /dev/null; then resolve=(getent ahosts "$MASTER_ADDR")
+    else resolve=(python -c 'import socket, sys; socket.getaddrinfo(sys.argv[1], None)' "$MASTER_ADDR"); fi
+    timeout 10 "${resolve[@]}" > /dev/null 2>&1 ||
+      bad "MASTER_ADDR='$MASTER_ADDR' does not resolve on this node: use node 0's host name as this node" \
+          "sees it, or its IP address (MASTER_ADDR=10.0.0.1)"
+  fi
+fi
 
 cd "$(dirname "$0")"
 args=(--nproc_per_node="$NPROC" --max_restarts="$MAX_RESTARTS")

@@ -366,3 +366,37 @@ def test_terraform_startup_script_runs_two_nodes_on_loopback(tmp_path):
     assert codes == [0, 0], logs[0][-2000:] + logs[1][-2000:]
     assert "--nnodes=2" in logs[0] and f"--rdzv_endpoint=127.0.0.1:{port}" in logs[0], logs[0][-2000:]
     assert (tmp_path / "shared" / "checkpoints").is_dir()
+
+
+# --------------------------------------------------------------------------- the rendezvous address, checked
+def _entrypoint(env: dict) -> subprocess.CompletedProcess:
+    """entrypoint.sh with ``env`` over a clean rendezvous environment; torchrun replaced by ``echo``."""
+    base = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK")}
+    return subprocess.run([str(ENTRYPOINT)], env={**base, "RUN_MODE": "comm", "TORCHRUN": "echo", **env},
+                          capture_output=True, text=True, timeout=30)  # the lookup's own bound is 10 s
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not a TCP port: use an integer from 1 to 65535"),
+    ({"MASTER_PORT": "0", "NNODES": "2"}, "MASTER_PORT='0' is not a TCP port"),
+    ({"MASTER_PORT": "65536", "NNODES": "2"}, "MASTER_PORT='65536' is not a TCP port"),
+    ({"MASTER_PORT": "-5"}, "MASTER_PORT='-5' is not a TCP port"),
+    ({"MASTER_ADDR": "", "NNODES": "2"}, "MASTER_ADDR is set but empty: name node 0's host or IP address"),
+    ({"MASTER_ADDR": "node0:29500"}, "MASTER_ADDR='node0:29500' has a port: use MASTER_ADDR=node0 MASTER_PORT=29500"),
+    ({"MASTER_ADDR": "tcp://node0"}, "MASTER_ADDR='tcp://node0' is not a host name or IP address"),
+    # .invalid never resolves (RFC 2606): a typo'd host, found before torchrun starts
+    ({"MASTER_ADDR": "node0.invalid", "NNODES": "2"}, "MASTER_ADDR='node0.invalid' does not resolve on this node"),
+], ids=["port-abc", "port-0", "port-65536", "port-negative", "addr-empty", "addr-with-port", "addr-url",
+        "addr-unresolvable"])
+def test_entrypoint_refuses_a_bad_rendezvous_address_in_one_line(env, says):
+    """`MASTER_PORT=abc ./entrypoint.sh` used to end in torchrun's 35-line traceback."""
+    out = _entrypoint(env)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"entrypoint.sh: {says}"), out.stderr
+    assert not out.stdout, "torchrun must not start"
+
+
+@pytest.mark.parametrize("addr", ["localhost", "127.0.0.1", "::1"])
+def test_entrypoint_passes_a_good_rendezvous_address_to_torchrun(addr):
+    out = _entrypoint({"MASTER_ADDR": addr, "MASTER_PORT": "29501", "NNODES": "2", "NODE_RANK": "0"})
+    assert out.returncode == 0 and f"--rdzv_endpoint={addr}:29501" in out.stdout, out.stderr
