@@ -151,6 +151,41 @@ def read_flight_recorder(path: str) -> dict | None:
     return flight_recorder.read(flight_recorder_path(path))
 
 
+# --------------------------------------------------------------------------- progress
+def thread_stat(pid: int, tid: int | None = None) -> tuple[str, int]:
+    """(state letter, CPU clock ticks used) of thread ``tid`` of ``pid`` (its main thread by default),
+    from /proc; ("", 0) when it is gone or there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/task/{tid or pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return "", 0
+    return fields[0], int(fields[11]) + int(fields[12])
+
+
+class Progress:
+    """Whether a rank's own code moved since the last look: a hang is a lack of progress, not of CPU.
+
+    A rank progresses when its main thread (where its Python code, its collectives and, on the CPU,
+    its backward run) is runnable or in uninterruptible I/O (state R or D: a rank waiting for a core
+    on a busy machine is R), or used any CPU since the last look, or recorded a new communication op.
+    A rank blocked in a collective or a recv sleeps (state S) and uses no CPU on its main thread;
+    helper threads (the flight-recorder writer, the watchdog) are not counted. A stopped rank
+    (state T) never progresses.
+    """
+
+    def __init__(self, pid: int, tid: int | None = None) -> None:
+        self.pid, self.tid = pid, tid
+        self.seen: tuple[int, int] | None = None
+
+    def moved(self, last_op: int) -> bool:
+        state, ticks = thread_stat(self.pid, self.tid)
+        seen, self.seen = self.seen, (ticks, last_op)
+        if state in ("", "T", "t", "Z", "X"):
+            return False
+        return state in ("R", "D") or seen is None or seen != (ticks, last_op)
+
+
 # --------------------------------------------------------------------------- recording wrappers
 _RECORDER: Recorder | None = None
 _FLIGHT_WRITER: flight_recorder.FileWriter | None = None
@@ -437,19 +472,48 @@ def report(findings: list[str], table_text: str, what: str = "hang", source: str
 
 
 # --------------------------------------------------------------------------- torchrun watchdog
+def watchdog_timeout(setting: str | None, run_timeout_s: float) -> float:
+    """The watchdog's timeout in seconds from DISTLAB_HANG_TIMEOUT (0: off).
+
+    Unset or empty: ``run_timeout_s``/10, between 10 and 30 s (a stopped or stuck rank is
+    named in well under a minute; a healthy rank waits for a slow one much longer than
+    that only if neither makes progress). "0" or "off": no watchdog.
+    """
+    setting = (setting or "").strip().lower()
+    if not setting:
+        return min(30.0, max(10.0, run_timeout_s / 10))
+    if setting in ("0", "off", "none"):
+        return 0.0
+    try:
+        value = float(setting)
+    except ValueError:
+        raise ValueError(f"{HANG_TIMEOUT_ENV}={setting!r} is not a number of seconds (e.g. {HANG_TIMEOUT_ENV}=60; "
+                         f"{HANG_TIMEOUT_ENV}=0 turns the watchdog off)") from None
+    if value < 0:
+        raise ValueError(f"{HANG_TIMEOUT_ENV}={setting} must be >= 0 seconds (0 turns the watchdog off)")
+    return value
+
+
 def start_watchdog(store, rank: int, world_size: int, timeout_s: float, interval_s: float | None = None,
                    exit_on_fire: bool = True) -> threading.Thread:
     """Under torchrun: publish this rank's records and its flight recorder's to ``store``; if this
-    rank stays blocked in one op for ``timeout_s`` (an op of the wrappers, or a collective of its
-    flight recorder, such as DDP's), print the doctor's table for all ranks (the first rank to
-    fire prints; ``diagnose_all`` picks the records that explain it) and end the process with
-    ``HANG_EXIT_CODE`` so torchrun tears the job down (or restarts it).
+    rank stays blocked in one op (an op of the wrappers, or a collective of its flight recorder,
+    such as DDP's) for ``timeout_s`` while no rank of the job makes progress, print the doctor's
+    table for all ranks (the first rank to fire prints; ``diagnose_all`` picks the records that
+    explain it) and end the process with ``HANG_EXIT_CODE`` so torchrun tears the job down (or
+    restarts it).
+
+    Progress is shared through one store counter: a rank adds to it when it records a new op,
+    or when its main thread runs (``Progress``) while it is not blocked in an op. So rank 1
+    waiting in a barrier while rank 0 writes a checkpoint, or while a busy machine deschedules
+    rank 0, is not a hang; a stopped rank, or one stuck in a lock or a spin, is.
     """
     recorder = _RECORDER or install(rank)
     interval_s = interval_s or max(0.2, min(1.0, timeout_s / 4))
+    progress = Progress(os.getpid(), threading.main_thread().native_id)
 
     def loop() -> None:
-        published = None
+        published, token, seen = None, None, (None, time.time())  # seen: (job counter, when it last moved)
         publisher = flight_recorder.Publisher()
         while True:
             time.sleep(interval_s)
@@ -462,8 +526,20 @@ def start_watchdog(store, rank: int, world_size: int, timeout_s: float, interval
             if snap is not None:
                 store.set(f"doctor/fr/{rank}", json.dumps(snap))
             fr = publisher.current()
-            stuck = _pending(recs) or (fr and _pending(flight_recorder.cut(fr["records"])))
-            if not (stuck and time.time() - stuck["t0"] >= timeout_s):
+            fr_recs = flight_recorder.cut(fr["records"]) if fr else []
+            stuck = _pending(recs) or _pending(fr_recs)
+            last = (recs[-1]["i"] if recs else -1, fr_recs[-1]["i"] if fr_recs else -1)  # the newest ops
+            moved = progress.moved(last)
+            if last != token or (moved and not stuck):
+                store.add("doctor/progress", 1)
+            token = last
+            if not stuck:
+                continue
+            counter = store.add("doctor/progress", 0)
+            if counter != seen[0]:
+                seen = (counter, time.time())
+            idle_since = max(stuck["t0"], seen[1])
+            if time.time() - idle_since < timeout_s:
                 continue
             if store.add("doctor/fired", 1) == 1:
                 keys = [f"doctor/{r}" for r in range(world_size)]
@@ -472,7 +548,8 @@ def start_watchdog(store, rank: int, world_size: int, timeout_s: float, interval
                 flight = {r: json.loads(store.get(f"doctor/fr/{r}")) if store.check([f"doctor/fr/{r}"]) else None
                           for r in range(world_size)}
                 findings, text, source = diagnose_all(everyone, flight, states, world_size)
-                print(f"distlab hang doctor (rank {rank}, {HANG_TIMEOUT_ENV}={timeout_s:g}):\n"
+                print(f"distlab hang doctor (rank {rank}, {HANG_TIMEOUT_ENV}={timeout_s:g}; no rank made progress "
+                      f"for {time.time() - idle_since:.0f} s):\n"
                       + report(findings or ["no rank is missing; every rank is blocked in the same op"], text,
                                source=source),
                       file=sys.stderr, flush=True)

@@ -38,6 +38,7 @@ import multiprocessing as mp
 import os
 import re
 import pickle
+import select
 import shutil
 import signal
 import socket
@@ -242,6 +243,49 @@ def marked_environ(marker: str) -> dict[str, str]:
     return {**os.environ, RUN_MARKER_ENV: ":".join(filter(None, [os.environ.get(RUN_MARKER_ENV), marker]))}
 
 
+TIE_ENV = "DISTLAB_TIE_TO_PID"  # set by the pytest plugin: torchrun agents and workers die with that process
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Receive ``sig`` when the parent process dies (Linux's parent-death signal); at once if it already has.
+
+    ``init_from_env`` calls it in every torchrun worker: a SIGKILLed agent (which cannot stop its
+    workers) then takes them with it. Usable as a ``subprocess.Popen`` ``preexec_fn``. Not for
+    a launcher a user starts by hand: ``nohup`` would no longer keep it alive.
+    """
+    parent = os.getppid()
+    _prctl(_PR_SET_PDEATHSIG, int(sig))
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os.kill(os.getpid(), sig)
+
+
+def tie_to(pid: int | str | None) -> None:
+    """SIGKILL this process when process ``pid`` ends (a thread waits on its pidfd; Linux 5.3+).
+
+    For processes that are not children of ``pid``: a torchrun agent below ``entrypoint.sh``
+    below a test keeps a live parent (the shell) when the test's pytest is SIGKILLed or ended by
+    pytest-timeout's thread method (``os._exit``). Its workers follow it by ``die_with_parent``.
+    """
+    try:
+        pid = int(pid or 0)
+    except ValueError:
+        return
+    if pid <= 0 or pid == os.getpid() or not hasattr(os, "pidfd_open"):
+        return
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:  # already gone
+        os.kill(os.getpid(), signal.SIGKILL)
+    except OSError:
+        return
+
+    def watch() -> None:
+        select.select([fd], [], [])  # readable once the process has ended
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="distlab-tie", daemon=True).start()
+
+
 def _die_with_launcher(alive, marker: str) -> None:
     """In a rank: die when the launching process does, whatever killed it."""
     # A stopped rank (SIGSTOP, a debugger) could not notice anything: the kernel sends it SIGCONT
@@ -262,6 +306,25 @@ def _die_with_launcher(alive, marker: str) -> None:
     threading.Thread(target=watch, name="distlab-launcher-watch", daemon=True).start()
 
 
+def _drop_forkserver_alive_fd() -> None:
+    """In a rank: close the write end of the forkserver's "alive" pipe, which every forkserver child inherits.
+
+    The forkserver exits when that pipe has no writer left. A rank that held it (one stopped by
+    SIGSTOP) kept its parent, the forkserver, alive after the launcher was SIGKILLed, so the
+    parent-death signal that wakes the rank never came: 3 processes left for good. A rank that
+    starts processes of its own gets a forkserver of its own (this one's pid is unknown here).
+    """
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if server._forkserver_pid is None and server._forkserver_alive_fd is not None:
+        try:
+            os.close(server._forkserver_alive_fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
+
+
 def _child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s, env, conn, alive=None,
            doctor_path=None):
     # The forkserver was started with the environment of an earlier moment; use
@@ -274,6 +337,7 @@ def _child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s
     # (a forkserver started under DETAIL kept wrapping every later run's groups; DDP then crashed).
     dist.set_debug_level_from_env()
     if alive is not None:
+        _drop_forkserver_alive_fd()
         _die_with_launcher(alive, env[RUN_MARKER_ENV].rsplit(":", 1)[-1])
     if doctor_path:
         # The doctor reads the last 64 ops; a dump of torch's default 2000 entries takes ~25 ms.
@@ -395,12 +459,14 @@ def _run_distributed_once(fn: Callable[..., Any], world_size: int, *args: Any, b
         timeout_s: the whole run's deadline; ranks still running then are killed
             and ``TimeoutError`` names them (with the hang doctor's table).
         pg_timeout_s: the process group's timeout, after which a collective or
-            recv without a peer raises inside the rank (default: ``timeout_s``/2,
-            at most 30 s, so the rank's own error arrives before the deadline).
-        hang_s: when every unfinished rank has sat idle this long (no CPU, no new
-            communication op) and the ranks' records name a culprit, raise
-            ``HangError`` with the doctor's table at once (default: 5 s, at most
-            ``pg_timeout_s``/2; 0 turns the doctor's watch off).
+            recv without a peer raises inside the rank (default: ``timeout_s``: a rank
+            that waits for a peer still running its own code, slowly on a busy machine,
+            is not failed before the run's deadline; true hangs are named sooner by the
+            doctor's watch, below).
+        hang_s: when no unfinished rank has made progress for this long (none runnable,
+            none using CPU on its main thread, no new communication op: ``doctor.Progress``)
+            and the ranks' records name a culprit, raise ``HangError`` with the doctor's
+            table at once (default: 5 s; 0 turns the doctor's watch off).
 
     Returns:
         The ranks' return values, in rank order.
@@ -415,9 +481,9 @@ def _run_distributed_once(fn: Callable[..., Any], world_size: int, *args: Any, b
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     backend = resolve_backend(backend, world_size)
     if pg_timeout_s is None:
-        pg_timeout_s = min(30.0, max(2.0, timeout_s / 2))
+        pg_timeout_s = max(2.0, timeout_s)
     if hang_s is None:
-        hang_s = min(5.0, pg_timeout_s / 2)  # long enough that a descheduled rank on a busy machine is not a hang
+        hang_s = min(5.0, pg_timeout_s / 2)  # a hang is named in seconds, a blocked rank's own timeout is later
     ctx = _context()
     tmpdir = tempfile.mkdtemp(prefix="distlab-")
     store_path = os.path.join(tmpdir, "store")
@@ -470,8 +536,8 @@ class _Watch:
     def __init__(self, procs, paths, hang_s: float) -> None:
         self.procs, self.paths, self.hang_s = procs, paths, hang_s
         now = time.monotonic()
-        self.busy_at = [now] * len(procs)  # when each rank last used CPU or recorded an op
-        self.seen = [(0.0, -1)] * len(procs)
+        self.busy_at = [now] * len(procs)  # when each rank last made progress (doctor.Progress)
+        self.progress = [doctor.Progress(p.pid) for p in procs]
 
     def states(self, finished: dict[int, str]) -> dict[int, str]:
         out = dict(finished)
@@ -484,19 +550,19 @@ class _Watch:
         return {rank: doctor.read_records(path) for rank, path in enumerate(self.paths)}
 
     def hung(self, pending: set[int], finished: dict[int, str]) -> BaseException | None:
-        """A HangError when every pending rank has been idle ``hang_s`` and the records name a culprit."""
+        """A HangError when no pending rank has made progress for ``hang_s`` and the records name a culprit.
+
+        Progress, not CPU share: on a busy machine a rank running its own code may get a few
+        percent of a core, and it is not hung (it is runnable, state R, or its main thread's CPU
+        time moved); a rank blocked in a collective sleeps with its main thread's CPU time still.
+        """
         if self.hang_s <= 0:
             return None
         now, records = time.monotonic(), self.records()
         for rank in pending:
-            state, cpu = _proc_stat(self.procs[rank].pid)
             last = records[rank][-1]["i"] if records[rank] else -1
-            cpu_then, last_then = self.seen[rank]
-            # idle: under 5% of a core since the last look, and no new op (a blocked gloo call uses ~0)
-            if state not in ("T", "t") and (cpu - cpu_then > 0.05 * max(1.0, now - self.busy_at[rank])
-                                            or last != last_then):
+            if self.progress[rank].moved(last):
                 self.busy_at[rank] = now
-            self.seen[rank] = (cpu, last)
         if any(now - self.busy_at[r] < self.hang_s for r in pending):
             return None
         return self.diagnosis(records, finished, "hang", idle=True)
@@ -556,8 +622,8 @@ def _collect(procs, readers, timeout_s: float, watch: _Watch) -> list[Any]:
                 receive(rank)
         if not ready and not errors:
             hang = watch.hung(pending, finished)
-            if hang is not None:
-                raise hang
+            if hang is not None and not any(readers[r].poll() for r in pending):
+                raise hang  # (a rank that reported meanwhile, e.g. its unfinished TODO, is heard first)
     if errors:
         # Ranks that already reported count too; prefer a root cause (an assertion,
         # a TODO) over the connection errors its peers see when it dies.
@@ -615,11 +681,15 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
     the current CUDA device when the group has NCCL, ``cuda:rank`` with ``DISTLAB_DEVICE=cuda``
     (modulo the GPUs there are: ranks may share one), else the CPU.
 
-    With DISTLAB_HANG_TIMEOUT=<seconds> in the environment, a watchdog thread in every rank
-    records its communication and, when a rank stays blocked in one op that long, prints the
-    hang doctor's table for all ranks (who never arrived, what the others wait in) and ends
-    the rank with exit code 75, so torchrun stops (or restarts) the job instead of waiting
-    for the process group's timeout.
+    A watchdog thread in every rank records its communication and, when a rank has been
+    blocked in one op and no rank of the job has made progress for DISTLAB_HANG_TIMEOUT
+    seconds (default: ``timeout_s``/10, between 10 and 30 s; ``DISTLAB_HANG_TIMEOUT=0`` turns
+    it off), prints the hang doctor's table for all ranks (who never arrived, what the others
+    wait in) and ends the rank with exit code 75, so torchrun stops (or restarts) the job
+    instead of waiting for the process group's timeout. A rank that is slow (a checkpoint
+    save, a busy machine) is progress, not a hang.
+
+    Every worker dies with its torchrun agent (the parent-death signal), even a SIGKILLed one.
 
     Collective: every rank must call it (it is the rendezvous).
     """
@@ -656,15 +726,11 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
                           timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"distlab/attempt_{attempt}", store)
-    hang_timeout = os.environ.get(doctor.HANG_TIMEOUT_ENV, "").strip()
-    if hang_timeout:
-        try:
-            hang_timeout_s = float(hang_timeout)
-        except ValueError:
-            raise ValueError(f"{doctor.HANG_TIMEOUT_ENV}={hang_timeout!r} is not a number of seconds "
-                             f"(e.g. {doctor.HANG_TIMEOUT_ENV}=60; unset it to turn the watchdog off)") from None
-        if hang_timeout_s <= 0:
-            raise ValueError(f"{doctor.HANG_TIMEOUT_ENV}={hang_timeout} must be > 0 seconds")
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        die_with_parent()  # the agent: a SIGKILLed agent cannot stop its workers itself
+    tie_to(os.environ.get(TIE_ENV))
+    hang_timeout_s = doctor.watchdog_timeout(os.environ.get(doctor.HANG_TIMEOUT_ENV), timeout_s)
+    if hang_timeout_s:
         doctor.install(rank)
         # A connection of its own: the watchdog must not queue behind a store call the rank is stuck in.
         own = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
@@ -728,6 +794,7 @@ def torchrun(argv: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
 
+    tie_to(os.environ.get(TIE_ENV))  # under a test: the agent dies with the test's pytest, then its workers with it
     if "--standalone" in argv:
         if not any(a.startswith(("--local-addr", "--local_addr")) for a in argv):
             argv = ["--local-addr=127.0.0.1", *argv]

@@ -64,6 +64,13 @@ def pytest_configure(config):
         os.environ[STUDENT_DIR_ENV] = os.path.abspath(student_dir)
     else:
         os.environ.pop(STUDENT_DIR_ENV, None)
+    # Every torchrun agent and worker a test starts dies with this pytest, even when pytest is
+    # SIGKILLed or ended by pytest-timeout's thread method (os._exit): see distlab.launch.tie_to.
+    # A pytest run by a test (the template checks) dies with the outer one, then ties its own jobs.
+    from distlab.launch import TIE_ENV, tie_to
+
+    tie_to(os.environ.get(TIE_ENV))
+    os.environ[TIE_ENV] = str(os.getpid())
     config.addinivalue_line("markers", "exercise(name): the exercise a test grades")
     config.addinivalue_line("markers", "scaffold: checks code that templates provide ready-made")
     config.addinivalue_line("markers", "gpu: needs CUDA (skipped without enough GPUs)")

@@ -52,33 +52,40 @@ def _cmdline(pid: int) -> str:
 
 
 # --------------------------------------------------------------------------- run_distributed's launcher killed
-def _worker_hangs_with_a_helper(rank, world_size, pid_dir):
+def _worker_hangs_with_a_helper(rank, world_size, pid_dir, stop=False):
     # A helper in a session of its own (as torchrun starts its workers), then a deadlock.
     helper = subprocess.Popen(["sleep", "600"], start_new_session=True)
     Path(pid_dir, f"rank{rank}").write_text(f"{os.getpid()} {helper.pid}")
+    if stop and rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # a stopped rank (a debugger, ^Z): it cannot notice anything
     t = torch.zeros(1)
     dist.recv(t, src=(rank + 1) % world_size)  # everyone receives, nobody sends
 
 
-def _launcher(pid_dir: str) -> None:
+def _launcher(pid_dir: str, stop: str = "") -> None:
     from distlab.launch import run_distributed
 
-    run_distributed(_worker_hangs_with_a_helper, 2, pid_dir, timeout_s=600, hang_s=0)
+    # pytest's timeout is 300 s: the test kills this launcher long before its own deadline
+    run_distributed(_worker_hangs_with_a_helper, 2, pid_dir, bool(stop), timeout_s=250, hang_s=0)
 
 
 def test_killing_run_distributeds_parent_leaves_no_process(tmp_path):
-    """SIGTERM and SIGKILL to a launcher whose ranks hang: ranks, their helpers, the forkserver and
-    the resource tracker all go. Both launchers run at once (the cores are the cost)."""
-    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); from tests.test_hygiene import _launcher; _launcher(sys.argv[1])"
+    """SIGTERM and SIGKILL to a launcher whose ranks hang, and SIGKILL to one whose rank 1 is stopped
+    (SIGSTOP): ranks, their helpers, the forkserver and the resource tracker all go. The stopped rank
+    used to hold the forkserver's "alive" pipe, so the forkserver (its parent) never exited and the
+    parent-death signal that wakes the rank never came. The launchers run at once (the cores are the cost)."""
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from tests.test_hygiene import _launcher; "
+            "_launcher(*sys.argv[1:])")
     launchers = {}
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pid_dir = tmp_path / sig.name
+    for name, sig, stop in (("SIGTERM", signal.SIGTERM, ""), ("SIGKILL", signal.SIGKILL, ""),
+                            ("SIGKILL-stopped-rank", signal.SIGKILL, "stop")):
+        pid_dir = tmp_path / name
         pid_dir.mkdir()
-        launchers[sig] = (subprocess.Popen([sys.executable, "-c", code, str(pid_dir)], cwd=REPO), pid_dir)
+        launchers[name] = (subprocess.Popen([sys.executable, "-c", code, str(pid_dir), stop], cwd=REPO), pid_dir, sig)
     try:
-        for sig, (proc, pid_dir) in launchers.items():
+        for name, (proc, pid_dir, sig) in launchers.items():
             files = _wait_for(lambda: len(list(pid_dir.iterdir())) == 2 and list(pid_dir.iterdir()), 120,
-                              f"the ranks of the {sig.name} launcher did not start")
+                              f"the ranks of the {name} launcher did not start")
             pids = {int(p) for f in files for p in f.read_text().split()}
             tree = set(_descendants(proc.pid))
             assert pids <= tree, f"ranks and helpers {pids} are not below the launcher {proc.pid}: {tree}"
@@ -87,7 +94,7 @@ def test_killing_run_distributeds_parent_leaves_no_process(tmp_path):
             proc.wait()
             _all_gone(tree)
     finally:
-        for proc, _ in launchers.values():
+        for proc, _, _ in launchers.values():
             kill_process_tree(proc.pid)
             proc.wait()
 
@@ -168,6 +175,70 @@ def test_a_one_machine_torchrun_job_listens_on_loopback_names_its_hang_and_dies_
         proc.wait()
     _all_gone(job)
     assert not _marked(marker)
+
+
+_TRAIN_SCRIPT = """
+import time, torch, torch.distributed as dist
+from distlab.launch import init_from_env
+env = init_from_env()
+t = torch.ones(4)
+dist.all_reduce(t)
+print(f"ready {env.rank}", flush=True)
+while True:  # training for a long time; the pause keeps 2 jobs of 2 workers from taking both cores
+    dist.all_reduce(t)
+    time.sleep(0.05)
+"""
+
+# What a test's pytest is to its jobs: a process that starts a shell that starts the launcher (as
+# entrypoint.sh does when its output is filtered), with the pytest plugin's TIE_ENV naming itself.
+_OUTER = """
+import os, subprocess, sys, time
+from distlab.launch import TIE_ENV
+os.environ[TIE_ENV] = str(os.getpid())
+cmd = f"{sys.executable} -m distlab.launch --standalone --nnodes=1 --nproc_per_node=2 {sys.argv[1]}; echo done"
+subprocess.Popen(["bash", "-c", cmd], stdout=sys.stdout, stderr=subprocess.STDOUT)
+time.sleep(250)  # pytest's timeout is 300 s; the test SIGKILLs this process within seconds
+"""
+
+
+def _cmdlines(pids) -> dict[int, str]:
+    return {pid: _cmdline(pid) for pid in pids}
+
+
+def test_torchrun_workers_die_with_a_sigkilled_agent_and_jobs_with_a_sigkilled_pytest(tmp_path):
+    """(1) SIGKILL to the torchrun agent: its workers, which it can no longer stop, die with it
+    (init_from_env arms the parent-death signal). (2) SIGKILL to a test's pytest (or pytest-timeout's
+    thread method, which ends it with os._exit): the agent below the shell below it dies too
+    (distlab.launch.tie_to, armed by the pytest plugin), then its workers. The jobs run at once."""
+    from distlab.launch import TIE_ENV
+
+    assert os.environ.get(TIE_ENV) == str(os.getpid()), "the pytest plugin ties the jobs of tests to pytest"
+    script = tmp_path / "train.py"
+    script.write_text(_TRAIN_SCRIPT)
+    base = dict(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    jobs = {}
+    for name in ("agent", "pytest"):
+        marker = os.urandom(8).hex()
+        log = tmp_path / f"{name}.log"
+        cmd = ([sys.executable, "-m", "distlab.launch", "--standalone", "--nnodes=1", "--nproc_per_node=2",
+                str(script)] if name == "agent" else [sys.executable, "-c", _OUTER, str(script)])
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, cwd=REPO, env={**marked_environ(marker), **base}, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        jobs[name] = (proc, marker, log)
+    try:
+        for name, (proc, marker, log) in jobs.items():
+            _wait_for(lambda: log.read_text().count("ready ") == 2, 120, f"the {name} job's workers did not start")
+            job = set(_marked(marker)) - {proc.pid}
+            workers = [p for p, c in _cmdlines(job).items() if "train.py" in c and "distlab.launch" not in c]
+            assert len(workers) == 2, f"expected 2 workers in {_cmdlines(job)}"
+            os.kill(proc.pid, signal.SIGKILL)  # the agent itself, or the "pytest" above the shell
+            proc.wait()
+            _all_gone(job, timeout_s=15)
+    finally:
+        for proc, marker, _ in jobs.values():
+            kill_process_tree(proc.pid, marker)
+            proc.wait()
 
 
 def test_entrypoint_runs_one_machine_jobs_through_the_loopback_launcher(tmp_path):
