@@ -45,12 +45,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="default: 16, rounded up to a multiple of the world size")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--dtypes", default="float32,bfloat16,float16")
+    parser.add_argument("--max-skipped-steps", type=int, default=50,
+                        help="stop when the scaler has skipped this many steps in a row (inf/nan gradients at "
+                             "every scale: nan inputs or loss); 0: never stop")
     return parser
 
 
 def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """A global batch the ranks share equally (see demos/sizes.py)."""
     positive(args, "--steps")
+    if args.max_skipped_steps < 0:
+        raise ValueError(f"--max-skipped-steps {args.max_skipped_steps} cannot be negative: "
+                         "use --max-skipped-steps 50 (or 0 to never stop)")
     args.global_batch = global_batch(args.global_batch, 16, world_size)
     return args
 
@@ -73,8 +79,11 @@ def main(argv: list[str] | None = None) -> None:
             # gradient of the logits, S / (B*T), overflows fp16's 65504): watch it back off.
             # fp32 and bf16 have fp32's exponent range: S = 1, never grown.
             fp16 = dtype == torch.float16
+            # A run that skips every step (nan inputs) stops with the first non-finite gradient's name.
             scaler = mp.DynamicLossScaler(init_scale=2.0 ** 20 if fp16 else 1.0,
-                                          growth_interval=20 if fp16 else 10 ** 9)
+                                          growth_interval=20 if fp16 else 10 ** 9,
+                                          max_skipped_steps=args.max_skipped_steps or None,
+                                          named_parameters=model.named_parameters())
             skipped, ledger = 0, CommLedger()
             start = time.perf_counter()
             for step in progress(range(args.steps), desc=name):

@@ -7,6 +7,7 @@ own shard, and compares at every step. The code under test comes from ``load(...
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -314,6 +315,84 @@ def test_mixed_precision_dp_matches_single_process_autocast(world_size, dtype_na
 @pytest.mark.parametrize("world_size", [2])
 def test_mixed_precision_dp_with_our_scaler_matches_single_process_autocast(world_size):
     run_distributed(_worker_mixed_precision_dp, world_size, "float16", "ours")
+
+
+# --------------------------------------------------------------------------- a run that only skips
+@pytest.mark.exercise("2.3-2.4 dynamic loss scaler")
+def test_loss_scaler_stops_a_run_with_nan_inputs_naming_the_first_non_finite_gradient():
+    """nan inputs make every gradient nan at any scale: fp16 used to skip every step and end at loss nan
+    without a word. With the defaults the scaler warns once at 10 skips in a row (naming the scale)
+    and stops at 50, naming the first gradient in optimizer order (fc1.weight)."""
+    import warnings
+
+    mp = load(PHASE, "mixed_precision")
+    model = _mp_model("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = mp.DynamicLossScaler(named_parameters=model.named_parameters())  # the defaults: warn 10, stop 50
+    x, y = _mp_batch("mlp", 0)
+    x = torch.full_like(x, float("nan"))
+    steps = 0
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(mp.NonFiniteGradientsError) as info:
+        warnings.simplefilter("always")
+        for steps in range(1, 61):  # train_step's loop, in one process (no gradient all-reduce)
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = _loss(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    said = [str(w.message) for w in caught if "DynamicLossScaler" in str(w.message)]
+    # the 10th skip runs at 2^16 / 2^9 (nine back-offs before it)
+    assert len(said) == 1 and "10 steps in a row skipped" in said[0] and "at scale 128" in said[0], said
+    assert steps == 50, f"stopped at step {steps}, expected the 50th skip in a row"
+    assert re.search(r"50 steps in a row .* the first non-finite gradient is fc1\.weight \(32, 8\) \(nan\)\. "
+                     r"Check the inputs", str(info.value)), str(info.value)
+
+
+def _worker_scaler_names_the_rank(rank, world_size):
+    import warnings
+
+    mp = load(PHASE, "mixed_precision")
+    model = seeded(ToyMLP, 0, 6, 10, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = mp.DynamicLossScaler(warn_skipped_steps=2, max_skipped_steps=4)  # no names: the index
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, 7):
+            # No gradient all-reduce: only rank 1 holds a nan (in fc3.bias, parameter 5), the others finite.
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(_loss(model(torch.ones(2, 6)), torch.zeros(2, dtype=torch.long))).backward()
+            if rank == 1:
+                model.fc3.bias.grad[0] = float("nan")
+            scaler.step(opt)
+            try:
+                scaler.update()
+            except mp.NonFiniteGradientsError as exc:
+                return step, str(exc), [str(w.message) for w in caught]
+    return step, None, [str(w.message) for w in caught]
+
+
+@pytest.mark.exercise("2.3-2.4 dynamic loss scaler")
+def test_loss_scaler_stop_names_the_rank_that_holds_the_non_finite_gradient():
+    results = run_distributed(_worker_scaler_names_the_rank, 3)
+    for rank, (step, error, warned) in enumerate(results):
+        assert step == 4 and error is not None, f"rank {rank}: no stop after {step} skipped steps (bound 4)"
+        assert "the first non-finite gradient is parameter 5 of the optimizer (3,) (nan) on rank 1." in error, \
+            f"rank {rank}: {error}"
+        # one warning per run, from group rank 0, at 2 skips in a row (at the scale of the second: 2^15)
+        expected = ["2 steps in a row skipped for inf/nan gradients, at scale 32768"] if rank == 0 else []
+        assert [w.split(": ", 1)[1][:len(expected[0])] for w in warned] == expected if expected else warned == [], \
+            f"rank {rank}: warnings {warned}"
+
+
+@pytest.mark.exercise("2.3-2.4 dynamic loss scaler")
+@pytest.mark.scaffold
+def test_loss_scaler_rejects_bad_skip_bounds():
+    mp = load(PHASE, "mixed_precision")
+    for kwargs, match in ((dict(warn_skipped_steps=0), "warn_skipped_steps must be >= 1"),
+                          (dict(max_skipped_steps=0), r"max_skipped_steps must be >= 1 \(or None")):
+        with pytest.raises(ValueError, match=match):
+            mp.DynamicLossScaler(**kwargs)
 
 
 # --------------------------------------------------------------------------- 2.6-2.7 activation checkpointing
