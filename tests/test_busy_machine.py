@@ -73,3 +73,40 @@ def test_a_descheduled_rank_running_its_own_code_is_waited_for_not_called_hung(b
 def test_an_unfinished_todo_on_a_descheduled_rank_is_reported_as_the_todo(busy_core):
     with pytest.raises(LearnerTODO, match="TODO 4.8"):
         run_distributed(_worker_slow_rank_then, 2, busy_core, "todo", timeout_s=120, hang_s=1)
+
+
+def _worker_slow_rank_under_the_watchdog(rank, world_size, store_path, log_dir):
+    from distlab import doctor
+
+    # What init_from_env starts under torchrun, with a 1 s timeout; a report would go to this rank's log.
+    sys.stderr = open(os.path.join(log_dir, f"rank{rank}.log"), "w")
+    doctor.start_watchdog(dist.FileStore(store_path, world_size), rank, world_size, timeout_s=1)
+    if rank == 0:
+        _busy_python(2.5)  # e.g. writing a checkpoint, while rank 1 waits in the barrier
+    dist.barrier()
+    return rank
+
+
+def test_the_torchrun_watchdog_waits_for_a_rank_that_makes_progress(tmp_path):
+    """Rank 1 is blocked in a barrier for 2.5 s, longer than the watchdog's 1 s: it is not a hang,
+    because rank 0 is running its own code (the watchdogs share progress through the store). The
+    old watchdog ended rank 1 with exit code 75 here (a checkpoint save was killed so at load ~50)."""
+    assert run_distributed(_worker_slow_rank_under_the_watchdog, 2, str(tmp_path / "store"), str(tmp_path),
+                           timeout_s=60, hang_s=0) == [0, 1]
+    assert "hang doctor" not in "".join(p.read_text() for p in tmp_path.glob("rank*.log"))
+
+
+@pytest.mark.parametrize("setting, run_timeout_s, expected", [
+    (None, 300, 30.0), ("", 100, 10.0), (None, 30, 10.0), ("45", 300, 45.0), ("0", 300, 0.0), ("off", 300, 0.0)])
+def test_the_torchrun_watchdog_is_on_by_default_with_a_timeout_derived_from_the_run(setting, run_timeout_s, expected):
+    from distlab import doctor
+
+    assert doctor.watchdog_timeout(setting, run_timeout_s) == expected
+
+
+@pytest.mark.parametrize("setting", ["soon", "-1"])
+def test_a_bad_watchdog_setting_says_what_to_write(setting):
+    from distlab import doctor
+
+    with pytest.raises(ValueError, match="DISTLAB_HANG_TIMEOUT=0 turns the watchdog off"):
+        doctor.watchdog_timeout(setting, 300)

@@ -103,7 +103,7 @@ def test_killing_run_distributeds_parent_leaves_no_process(tmp_path):
 _HANG_SCRIPT = """
 import os, signal, torch, torch.distributed as dist
 from distlab.launch import init_from_env
-env = init_from_env()
+env = init_from_env(timeout_s=100)  # the watchdog is on by default: 100 s / 10 = 10 s
 t = torch.ones(4)
 dist.all_reduce(t)
 print(f"ready {env.rank}", flush=True)
@@ -146,16 +146,18 @@ def _loopback(address: str) -> bool:
 
 
 def test_a_one_machine_torchrun_job_listens_on_loopback_names_its_hang_and_dies_whole(tmp_path):
-    """entrypoint.sh's launcher (``python -m distlab.launch --standalone``) with DISTLAB_HANG_TIMEOUT=2:
+    """entrypoint.sh's launcher (``python -m distlab.launch --standalone``), DISTLAB_HANG_TIMEOUT unset:
     while the job runs, every socket it listens on is on loopback; rank 1 stops itself, and rank 0's
-    watchdog prints the doctor's table naming it within seconds; torchrun then waits for the
+    watchdog (on by default, 10 s for this job) prints the doctor's table naming it within its
+    timeout, not the process group's 100 s; torchrun then waits for the
     stopped worker, as a hung test would, and the test's cleanup kills the whole tree."""
     script, log = tmp_path / "hang.py", tmp_path / "out.log"
     script.write_text(_HANG_SCRIPT)
     marker = os.urandom(8).hex()
-    env = dict(marked_environ(marker), DISTLAB_HANG_TIMEOUT="2", OMP_NUM_THREADS="1",
+    env = dict(marked_environ(marker), OMP_NUM_THREADS="1",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("GLOO_SOCKET_IFNAME", None)
+    env.pop("DISTLAB_HANG_TIMEOUT", None)  # the default
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "distlab.launch", "--standalone", "--nnodes=1",
                                  "--nproc_per_node=2", "--monitor-interval=0.1", str(script)],
@@ -166,7 +168,7 @@ def test_a_one_machine_torchrun_job_listens_on_loopback_names_its_hang_and_dies_
         listening = _listening(job)
         assert listening, f"no listening socket found for the job {job}: the check would prove nothing"
         assert all(map(_loopback, listening)), f"the job listens beyond loopback: {listening}"
-        _wait_for(lambda: "never entered all_reduce #2" in log.read_text(), 30, "no diagnosis")
+        _wait_for(lambda: "never entered all_reduce #2" in log.read_text(), 40, "no diagnosis")
         text = log.read_text()
         assert "distlab hang doctor (rank 0" in text and "rank 1 never entered all_reduce #2 (16 B) on WORLD" in text, text
         job |= set(_marked(marker))
