@@ -490,7 +490,7 @@ def watchdog_timeout(setting: str | None, run_timeout_s: float) -> float:
         raise ValueError(f"{HANG_TIMEOUT_ENV}={setting!r} is not a number of seconds (e.g. {HANG_TIMEOUT_ENV}=60; "
                          f"{HANG_TIMEOUT_ENV}=0 turns the watchdog off)") from None
     if value < 0:
-        raise ValueError(f"{HANG_TIMEOUT_ENV}={setting} must be >= 0 seconds (0 turns the watchdog off)")
+        raise ValueError(f"{HANG_TIMEOUT_ENV}={setting} must be >= 0 seconds ({HANG_TIMEOUT_ENV}=0 turns the watchdog off)")
     return value
 
 
