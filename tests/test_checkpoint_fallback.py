@@ -117,6 +117,13 @@ def _worker_harness_fallbacks(rank, world_size, root):
 
     # Nothing loadable (refused at 6, another model at 4, corrupted at 2): a fresh start, said once.
     final, said = _train(ft, replace(cfg, ckpt_dir=str(cases["nothing loadable"])))
+    # The fresh run saves steps 2, 4 and 6 again: rank 0 moves the old ones aside (not this run's: never
+    # deleted), one warning each.
+    moved = [s for s in said if "moved to" in s]
+    said = [s for s in said if "moved to" not in s]
+    kept = sorted(p.name.split(".")[0] for p in cases["nothing loadable"].glob("step_*.other-run-*"))
+    assert len(moved) == (3 if rank == 0 else 0) and kept == ["step_00000002", "step_00000004", "step_00000006"], \
+        f"rank {rank}: expected rank 0 to move steps 2, 4 and 6 aside, one warning each; got {moved}, {kept}"
     assert len(said) == 4 and [s for s in said if "step_00000006" in s and "Unsupported global" in s] \
         and [s for s in said if "step_00000004" in s and "size mismatch" in s] \
         and [s for s in said if "step_00000002" in s and "checksum" in s] and "starting fresh" in said[-1], \

@@ -25,10 +25,13 @@ shard) plus ``meta.pt`` written last::
     ckpt/step_00000010/rank0.pt rank1.pt ... meta.pt
 
 A step is staged as ``step_00000010.tmp/`` and renamed once every rank's file is in,
-so a half-written step is never picked up. The newest ``keep`` steps that verify are
-kept; ``restore`` resumes from the newest that also *loads*, one step back at a time.
+so a half-written step is never picked up. ``restore`` resumes from the newest checkpoint
+that verifies and *loads*, one step back at a time. A run holds its directory (a second
+run is refused), every rank file carries the run's id and step (files of two runs never
+pass for one checkpoint), and pruning keeps the newest ``keep`` of this run's own good
+checkpoints: it never counts, nor deletes, another run's (``distlab/resume.py``).
 
-Cost: no data communication; two barriers per save. Disk: each rank's state.
+Cost: no data communication; two all-reduces of W + 2 integers per save. Disk: each rank's state.
 See phase4_production/guidelines.md#crash-safe-checkpoints.
 """
 from __future__ import annotations
@@ -42,6 +45,7 @@ import shutil
 import struct
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -53,6 +57,7 @@ from distlab import resume
 MAGIC = b"DISTLAB-CKPT-1\n"
 _HEADER = struct.Struct("<Q32s")  # payload length, SHA-256 of the payload
 HEADER_BYTES = len(MAGIC) + _HEADER.size
+_STEP_DIR = re.compile(r"step_[0-9]{8,}")  # a published step: not step_N.tmp (staging), not step_N.other-run-*
 
 
 class CheckpointError(ValueError):
@@ -79,23 +84,30 @@ def save_file(obj: Any, path: str | Path) -> None:
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")  # same directory: rename stays atomic
-    # ### BEGIN SOLUTION 4.1: atomic checksummed save [guidelines.md#crash-safe-checkpoints]
-    # Goal: `path` holds MAGIC, then the packed (payload length, SHA-256 of the payload) header,
-    # then the payload (``obj`` as torch.save writes it). At every instant a reader finds the
-    # previous complete file or the new complete one, never half of one, and an object that
-    # cannot be saved leaves the disk untouched. Write through `tmp`; on return it is gone.
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    payload = buffer.getvalue()
-    header = MAGIC + _HEADER.pack(len(payload), hashlib.sha256(payload).digest())
-    with open(tmp, "wb") as f:
-        f.write(header)
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    # ### END SOLUTION 4.1
+    try:
+        # ### BEGIN SOLUTION 4.1: atomic checksummed save [guidelines.md#crash-safe-checkpoints]
+        # Goal: `path` holds MAGIC, then the packed (payload length, SHA-256 of the payload) header,
+        # then the payload (``obj`` as torch.save writes it). At every instant a reader finds the
+        # previous complete file or the new complete one, never half of one, and an object that
+        # cannot be saved leaves the disk untouched. Write through `tmp`; on return it is gone.
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        payload = buffer.getvalue()
+        header = MAGIC + _HEADER.pack(len(payload), hashlib.sha256(payload).digest())
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        # ### END SOLUTION 4.1
+    except OSError as exc:  # disk full (ENOSPC), quota, I/O error: name the file; what was saved stays
+        why = (f"{exc.strerror or exc}: cannot write checkpoint file {path} (no partial file is left; what "
+               "was saved before is untouched): free space there, or give another directory")
+        raise (OSError(exc.errno, why) if exc.errno else OSError(why)) from exc
+    finally:
+        tmp.unlink(missing_ok=True)  # gone after a failed write too (after a rename there is nothing left)
 
 
 def verify_file(path: str | Path) -> bytes:
@@ -110,6 +122,8 @@ def verify_file(path: str | Path) -> bytes:
         data = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: checkpoint file is missing") from None
+    except OSError as exc:  # permission denied, I/O error: as unusable as a corrupted file, so fall back too
+        raise CheckpointError(f"{path}: cannot read it: {exc.strerror or exc}") from None
     # ### BEGIN SOLUTION 4.2a: verified load (header and checksum) [guidelines.md#crash-safe-checkpoints]
     # Goal: return the payload only if `data` is a whole, intact checkpoint (the format of 4.1);
     # otherwise raise CheckpointError naming `path` and, in words the caller can match, what is
@@ -197,81 +211,107 @@ class Checkpoint:
     world_size: int
     path: Path
 
+    @cached_property
+    def meta(self) -> dict:
+        """``meta.pt``: the step, the world size, and the ``run`` that wrote it and its ``lineage``."""
+        return load_file(self.path / "meta.pt")
+
     def load(self, rank: int, map_location: str | torch.device | None = None) -> Any:
-        """The state that rank ``rank`` of the saving job wrote (``load_file``; CheckpointError if none)."""
+        """The state that rank ``rank`` of the saving job wrote (``load_file``; CheckpointError if none,
+        or if the file is another run's or step's)."""
         if not 0 <= rank < self.world_size:
             raise CheckpointError(f"{self.path} was written by {self.world_size} ranks: it has no file for "
                                   f"rank {rank} (resume with {self.world_size} ranks, or reshard)")
-        return load_file(self.path / f"rank{rank}.pt", map_location)
+        state = load_file(self.path / f"rank{rank}.pt", map_location)
+        who = state.pop(resume.WRITTEN_BY, None) if isinstance(state, dict) else None
+        if problem := resume.torn(self.meta, rank, who):
+            raise CheckpointError(f"{self.path / f'rank{rank}.pt'}: {problem}")
+        return state
 
 
-class CheckpointManager:
+class CheckpointManager(resume.RunDirectory):
     """One directory of step checkpoints: collective ``save``, ``latest`` good one, newest ``keep`` kept.
 
     Args:
         directory: where the ``step_XXXXXXXX/`` directories live (shared by all ranks).
-        keep: how many complete checkpoints to keep (older ones are deleted after a save).
+        keep: how many of this run's complete checkpoints to keep (its older ones are deleted after a save).
         group: the ranks that save together (None = WORLD).
+
+    The run holds the directory from its ``restore`` or first ``save`` until ``close()`` (or its exit);
+    ``with CheckpointManager(...) as manager:`` closes it too (see ``distlab.resume.RunDirectory``).
     """
 
     def __init__(self, directory: str | Path, keep: int = 3, group: dist.ProcessGroup | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}: the newest checkpoint is always kept")
-        self.directory = Path(directory)
+        super().__init__(directory, group)
         if self.directory.exists() and not self.directory.is_dir():
             raise CheckpointError(f"checkpoint directory {self.directory} is a file: name another directory")
         self.keep = keep
-        self.group = group
 
     def step_dir(self, step: int) -> Path:
         return self.directory / f"step_{step:08d}"
 
-    def save(self, step: int, state: Any) -> Path:
+    def save(self, step: int, state: dict) -> Path:
         """Every rank writes its ``state``; rank 0 then publishes the step atomically and prunes.
 
+        The first save (or ``restore``) takes the directory for this run: another run is refused on
+        every rank. Each rank file carries the run's id, the step and the rank. If a rank cannot write
+        (disk full), every rank raises; nothing is published, and nothing saved before is lost.
+
         Collective: every rank of ``group`` must call it with the same ``step``.
-        Cost: two barriers; |state| bytes written per rank.
+        Cost: two all-reduces of W + 2 integers (and one broadcast the first time); |state| bytes per rank.
         """
+        self._hold()
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
         world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
         final = self.step_dir(step)
         staging = final.with_name(final.name + ".tmp")
-        staging.mkdir(parents=True, exist_ok=True)
-        save_file(state, staging / f"rank{rank}.pt")
-        if dist.is_initialized():
-            dist.barrier(group=self.group)  # every rank's file is in the staging directory
+        state, error = self._stamped(state, step, rank), None  # the run's id, the step and the rank added
+        try:
+            staging.mkdir(parents=True, exist_ok=True)
+            save_file(state, staging / f"rank{rank}.pt")
+        except Exception as exc:  # every rank hears of it, and raises: no hang
+            error = exc
+        self._together(step, error, staging, "write its file")  # every rank's file is in the staging directory
         if rank == 0:
-            save_file({"step": step, "world_size": world_size}, staging / "meta.pt")
-            if final.exists():  # the same step saved again after a restart: replace it
-                shutil.rmtree(final)
-            os.replace(staging, final)
-            _fsync_dir(self.directory)
-            self._prune()
-        if dist.is_initialized():
-            dist.barrier(group=self.group)  # nobody reads or writes the next step before this one is published
+            try:
+                save_file({"step": step, "world_size": world_size, "run": self._run, "lineage": self._lineage},
+                          staging / "meta.pt")
+                self._publish(staging, final, lambda path: Checkpoint(step, 0, path).meta)  # replaces only its own
+                _fsync_dir(self.directory)
+                self._prune()
+            except Exception as exc:
+                error = exc
+        self._together(step, error, staging, "publish it")  # nobody touches the next step before this one is out
         return final
 
     def _published(self) -> list[Path]:
-        """The complete step directories (not the ``*.tmp`` staging ones), oldest first."""
-        return sorted(p for p in self.directory.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+        """The complete step directories (not staging ``*.tmp`` ones, nor ones moved aside), oldest first."""
+        return sorted(p for p in self.directory.glob("step_*") if _STEP_DIR.fullmatch(p.name) and p.is_dir())
 
     def _prune(self) -> None:
-        """Delete the good checkpoints older than the newest ``keep`` good ones; bad ones are left to
-        look at (never counted). Cost: rank 0 reads back every published checkpoint."""
+        """Delete this run's good checkpoints older than its newest ``keep`` good ones; bad ones and
+        another run's are left alone (never counted). Cost: rank 0 reads back every published checkpoint."""
         # ### BEGIN SOLUTION 4.4a: checkpoint manager (prune) [guidelines.md#crash-safe-checkpoints]
-        # Goal: keep the newest `self.keep` checkpoints that verify (`self.checkpoints`, quietly), delete
-        # the older good ones. Never count a bad one: newer bad ones must not push the good ones out.
-        complete = sorted(c.path for c in self.checkpoints(warn=False))  # the good ones, oldest first
-        for old in complete[:-self.keep]:  # zero-padded names: sorting names sorts steps
+        # Goal: keep the newest `self.keep` checkpoints that verify (`self.checkpoints`, quietly) and are
+        # this run's (`self._mine`), delete this run's older ones. Count nothing else: newer bad ones, or
+        # another run's, must not push this run's good ones out, and another run's are never deleted.
+        mine = sorted(c.path for c in self.checkpoints(warn=False) if self._mine(c))  # oldest first
+        for old in mine[:-self.keep]:  # zero-padded names: sorting names sorts steps
             shutil.rmtree(old, ignore_errors=True)
         # ### END SOLUTION 4.4a
 
     def checkpoints(self, warn: bool = True) -> Iterator[Checkpoint]:
+        """Every checkpoint whose every file verifies and was written by one run at one step, newest first:
+        a torn one (``resume.untorn``) is skipped like a corrupted one. Collective: no."""
+        return resume.untorn(self._verified(warn), HEADER_BYTES, warn)
+
+    def _verified(self, warn: bool = True) -> Iterator[Checkpoint]:
         """Every checkpoint whose every file verifies, newest first.
 
         A directory whose ``meta.pt`` does not load or one of whose ``rank*.pt`` does not verify is
         skipped with one warning (if ``warn``) naming the file and what is wrong.
-        Collective: no; every rank reaches the same answer from the same files.
         """
         # ### BEGIN SOLUTION 4.4b: checkpoint manager (verified checkpoints) [guidelines.md#crash-safe-checkpoints]
         # Goal: newest first over `self._published()`, yield a `Checkpoint` per directory whose meta.pt
@@ -295,5 +335,7 @@ class CheckpointManager:
 
     def restore(self, apply: Callable[[Checkpoint], Any], group: dist.ProcessGroup | None = None) -> Checkpoint | None:
         """Resume from the newest good checkpoint that ``apply`` loads (else the one before, with a
-        warning), None: start fresh. Collective: every rank of ``group``. See ``distlab.resume``."""
-        return resume.restore(self, apply, group)
+        warning), None: start fresh. Takes the directory first (see ``save``), and carries on the lineage
+        of the checkpoint taken. Collective: every rank of ``group``. See ``distlab.resume``."""
+        self._hold()
+        return self._adopt(resume.restore(self, apply, group))
