@@ -230,6 +230,7 @@ def test_load_picks_solution_template_or_student_copy(tmp_path, monkeypatch):
         load("phase1_data_parallel", "trainer")
 
 
+@pytest.mark.timeout(400)  # a nested grading run with its own 300 s deadline
 def test_grade_scores_a_student_copy_per_exercise(tmp_path):
     """A student who finished the sampler (1.4-1.5) and nothing else."""
     student = tmp_path / "alice"

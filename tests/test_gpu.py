@@ -151,6 +151,7 @@ def _worker_every_mode(rank, world_size, runs):
 
 
 @needs_gpus(1)
+@pytest.mark.timeout(700)  # every mode in one run with a 600 s deadline
 def test_every_mode_runs_on_one_gpu_with_nccl(tmp_path):
     """Every RUN_MODE's main on cuda:0 with NCCL, as ``NPROC=1 RUN_MODE=... ./entrypoint.sh`` on a GPU node
     (but the parameter server's: with one rank it starts a CPU world of its own)."""

@@ -158,6 +158,7 @@ def test_scores_are_weighted_and_scaffold_tests_do_not_count():
     assert "1.2 y" not in scores  # only scaffold tests: nothing to score
 
 
+@pytest.mark.timeout(400)  # a nested grading run with its own 300 s deadline
 def test_run_autograder_grades_a_submission_of_template_files_only(tmp_path):
     """Gradescope's entry point, dry-run: the student uploaded one finished template."""
     root = tmp_path / "autograder"
@@ -167,7 +168,7 @@ def test_run_autograder_grades_a_submission_of_template_files_only(tmp_path):
     env = {**os.environ, "AUTOGRADER": str(root), "SOURCE": str(REPO), "PYTHON": sys.executable,
            "GRADE_ARGS": "--tests tests/test_phase1.py -- -k sampler"}
     proc = subprocess.run([str(REPO / "grading/gradescope/run_autograder")], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300)  # inside the test's 400 s
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     results = json.loads((root / "results" / "results.json").read_text())
     scores = {t["name"]: (t["score"], t["max_score"]) for t in results["tests"]}
