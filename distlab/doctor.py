@@ -45,10 +45,10 @@ import torch
 import torch.distributed as dist
 
 from distlab import comm, flight_recorder
+from distlab.todo import HANG_EXIT_CODE
 
 SLOTS, SLOT_BYTES = 64, 256  # the last 64 ops per rank, 16 KiB
 HANG_TIMEOUT_ENV = "DISTLAB_HANG_TIMEOUT"
-HANG_EXIT_CODE = 75  # a rank the watchdog ended (EX_TEMPFAIL): the job hung, the doctor said why
 
 # op -> the argument holding this rank's payload (as the ledger counts it), plus ops without one
 _OPS = {**comm._PAYLOAD_ARG, "monitored_barrier": None, "all_gather_object": None,

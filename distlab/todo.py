@@ -33,6 +33,7 @@ def todo(what: str, where: str) -> LearnerTODO:
 
 
 TODO_EXIT_CODE = 3
+HANG_EXIT_CODE = 75  # a rank the hang doctor's watchdog ended (EX_TEMPFAIL): the job hung, the doctor said why
 FAILED_ON = "failed on rank"  # summarize_failure's first line: "demos.pipeline failed on rank 1 (exit code 1): ..."
 
 
@@ -90,6 +91,10 @@ def summarize_failure(error) -> str:
         return f"exit code {failure.exitcode}" + (f", {failure.signal_name()}" if failure.exitcode < 0 else "")
 
     text, stack = recorded(root)
+    if not text and root.exitcode == HANG_EXIT_CODE:
+        # The rank that fired is one that waited, not the one to blame: the doctor's report says who.
+        text = ("ended by the hang doctor's watchdog: its report above (\"distlab hang doctor ...\") names "
+                "the rank to blame")
     lines = [f"{error.name} {FAILED_ON} {root_rank} ({code(root)}): "
              + (text or "no error recorded: see the output above")]
     if stack and not text.startswith(("ValueError:", "LearnerTODO:")):

@@ -110,3 +110,16 @@ def test_a_bad_watchdog_setting_says_what_to_write(setting):
 
     with pytest.raises(ValueError, match="DISTLAB_HANG_TIMEOUT=0 turns the watchdog off"):
         doctor.watchdog_timeout(setting, 300)
+
+
+def test_a_job_the_watchdog_ended_points_at_the_doctors_report_not_at_the_rank_that_fired(tmp_path):
+    """torchrun blames the first rank to exit: under a hang that is a healthy rank the watchdog ended
+    (exit code 75), so the launcher's summary sends the reader to the doctor's report instead."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from distlab.todo import HANG_EXIT_CODE, summarize_failure
+
+    failures = {0: ProcessFailure(local_rank=0, pid=10, exitcode=HANG_EXIT_CODE, error_file=str(tmp_path / "none"))}
+    report = summarize_failure(ChildFailedError("demos.x", failures))
+    assert report.startswith("demos.x failed on rank 0 (exit code 75): ended by the hang doctor's watchdog: "
+                             "its report above"), report
