@@ -19,7 +19,9 @@ One script, from a laptop smoke run to a multi-node GPU job:
 * crash-safe checkpoints every ``--checkpoint-every`` steps and on exit, resumed
   automatically (at any world size that divides the global batch, with ddp/ours) from the
   newest one that loads: one that verifies but does not load (another model's, one that
-  ``weights_only`` refuses) is skipped with a warning, and the one before it is taken;
+  ``weights_only`` refuses) is skipped with a warning, and the one before it is taken; one run
+  per directory (a second is refused, naming the first), and ``--keep`` counts and prunes this
+  run's checkpoints only, never another experiment's;
 * monitoring: per-step time split into data / compute / optimizer, throughput, and a
   summary table at the end.
 
@@ -366,6 +368,7 @@ def train(cfg: Config) -> dict:
     capture_rng_state = checkpoint.capture_rng_state
 
     env = init_from_env()
+    manager = None
     try:
         ds = None
         if cfg.deepspeed_config:  # needs the world size: the batch arithmetic is checked against it
@@ -444,6 +447,8 @@ def train(cfg: Config) -> dict:
         log0("\n" + format_table([summary]))
         return {"accuracy": accuracy, "loss": loss.item()}
     finally:
+        if manager is not None:
+            manager.close()  # the directory is free for the next run, in this process or another
         shutdown()
 
 

@@ -167,6 +167,37 @@ def test_capstone_fp16_resume_keeps_the_loss_scaler(tmp_path):
         assert torch.equal(p, b["engine"]["model"][name]), f"parameter {name} differs after an fp16 resume"
 
 
+def _worker_capstone_and_restart(rank, world_size, args):
+    """A capstone run, then its restart in the same rank process (torchvision is imported once);
+    returns what the restart printed."""
+    from demos import imagenet
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "cannot resume" per skipped step: test_capstone_resumes_from_the_previous...
+        imagenet.main(TINY + args)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            imagenet.main(TINY + args)
+    return out.getvalue()
+
+
+def test_capstone_keep_never_counts_nor_deletes_another_experiments_newer_checkpoints(tmp_path):
+    """Another experiment left steps 8, 10 and 12 in --checkpoint-dir: they verify but do not load (another
+    model). The capstone saves steps 2, 4, 6 with --keep 3 and keeps all three, leaves the other's files
+    byte for byte, and its restart resumes from step 6. (Counting the other's, pruning deleted every
+    checkpoint of the run, and the restart began at step 0.)"""
+    with load("phase4_production", "checkpoint").CheckpointManager(tmp_path) as other:  # closed: free for the run
+        for step in (8, 10, 12):
+            other.save(step, {"engine": {"model": {"weight": torch.zeros(7)}}})
+    foreign = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*.pt")}
+    printed = run_distributed(_worker_capstone_and_restart, 2, ["--checkpoint-dir", str(tmp_path), "--checkpoint-every",
+                                                               "2", "--keep", "3"], timeout_s=120)[0]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [f"step_{s:08d}" for s in (2, 4, 6, 8, 10, 12)], f"expected the run's 2, 4, 6 and the other's: {names}"
+    assert {path: (tmp_path / path).read_bytes() for path in foreign} == foreign, "the other experiment's files changed"
+    assert f"resumed from {tmp_path / 'step_00000006'} (step 6," in printed, f"the restart did not resume: {printed}"
+
+
 def _worker_eval_and_units(rank, world_size):
     """evaluate() on an uneven split (no hang, exact count); ZeRO-3 on the ViT gathers one block at a time."""
     import torch.nn.functional as F

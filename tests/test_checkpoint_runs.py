@@ -132,7 +132,8 @@ def test_a_second_run_is_refused_on_every_rank_naming_the_holder_until_it_dies(t
     who = f"pid {holder.pid} on host {socket.gethostname()}"
     for rank, messages in enumerate(said):
         for what, message in zip(("restore", "save"), messages):
-            assert message == said[0][0] and who in message and "another checkpoint directory" in message, \
+            assert message is not None and message == said[0][0] and who in message \
+                and "another checkpoint directory" in message, \
                 f"rank {rank}, {what}: expected the same refusal on every rank naming {who}, got {message}"
     assert not directory.exists(), f"a refused run wrote into {directory}: {list(directory.iterdir())}"
     with ckpt.CheckpointManager(directory) as manager:  # its holder is dead: the lock is free
