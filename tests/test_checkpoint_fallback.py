@@ -8,7 +8,8 @@ case saves a few checkpoints, damages the newest the way it happens in practice,
   ``weights_only``, never run, and the previous checkpoint taken;
 * another model's checkpoint (shape mismatch), a checkpoint of another world size that the
   loader cannot reshard: the previous checkpoint taken;
-* nothing loadable: a fresh start, said once; a stale resume (``--steps`` below the checkpoint):
+* nothing loadable: a fresh start, said once (its saves move the old steps aside, never delete
+  them: they are not its run's; tests/test_checkpoint_runs.py); a stale resume (``--steps`` below the checkpoint):
   an error that says what to change; a checkpoint "directory" that is a file: an error naming it.
 
 The baseline is an uninterrupted run of the same harness in the same world: a resume from the
