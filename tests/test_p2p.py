@@ -21,8 +21,12 @@ def _seeded(rank: int, step: int, n: int = 5, dtype=torch.float32) -> torch.Tens
     return torch.randn(n, generator=g).to(dtype)
 
 
-def _worker_layer(rank, world_size):
-    p2p.enable_strict()  # every pattern below must pass NCCL's rules too
+def _worker_layer(rank, world_size, check="strict"):
+    if check == "strict":
+        p2p.enable_strict()  # every pattern below must pass NCCL's rules too
+    else:  # the size check alone, as outside pytest: a header travels with every message
+        p2p.disable_strict()
+        assert p2p.enable_size_check() and p2p.size_check_enabled()
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     ledger = CommLedger()
     with ledger:
@@ -81,6 +85,71 @@ def _worker_layer(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_p2p_layer_delivers_by_order_and_passes_strict_mode(world_size):
     assert run_distributed(_worker_layer, world_size, backend="gloo") == [True] * world_size
+
+
+def test_p2p_layer_delivers_the_same_under_the_size_check():
+    """The headers change nothing a caller sees: same tensors, and the ledger's bytes are the payload's."""
+    assert run_distributed(_worker_layer, 3, "size", backend="gloo") == [True] * 3
+
+
+# --------------------------------------------------------------------------- the size check
+def _worker_size_mismatch(rank, world_size, case):
+    p2p.disable_strict()  # as outside pytest: strict mode off, the size check on (what init_from_env does)
+    on = p2p.enable_size_check()
+    stale = torch.full((8,), -1.0)
+    if case == "short":  # the probe: 4 floats sent, received into 8; gloo keeps the last 4 stale
+        dist.send(torch.ones(4), dst=1) if rank == 0 else dist.recv(stale, src=0)
+    elif case == "dtype":  # same bytes, another dtype: gloo reinterprets the bits
+        p2p.send(torch.ones(4), 1) if rank == 0 else p2p.recv(torch.empty(4, dtype=torch.int32), 0)
+    elif case == "batched":  # a ring step whose chunks disagree (the uneven last chunk): grouped both ways
+        p2p.exchange(torch.ones(3 if rank == 0 else 5), torch.empty(5), 1 - rank)
+    return on, stale.tolist()
+
+
+SIZE_MISMATCHES = {
+    "short": r"rank 1: receive #0 from rank 0 got 16 bytes of float32 into a buffer of 32 bytes of float32 \(8,\): "
+             r"the last 16 bytes of the buffer keep old values",
+    "dtype": r"rank 1: receive #0 from rank 0 got 16 bytes of float32 into a buffer of 16 bytes of int32 \(4,\)\.",
+    "batched": r"rank 1: receive #0 from rank 0 got 12 bytes of float32 into a buffer of 20 bytes",
+}
+
+
+@pytest.mark.parametrize("case", list(SIZE_MISMATCHES))
+def test_size_check_catches_a_message_that_does_not_fit_its_buffer(case, monkeypatch):
+    monkeypatch.delenv(p2p.SIZE_CHECK_ENV, raising=False)  # on by default
+    with pytest.raises(Exception, match=SIZE_MISMATCHES[case]) as info:
+        run_distributed(_worker_size_mismatch, 2, case, backend="gloo", timeout_s=30)
+    assert "P2PSizeError" in str(info.value) and "DISTLAB_P2P_SIZE_CHECK=0 turns" in str(info.value), str(info.value)
+
+
+def test_size_check_is_off_only_when_asked(monkeypatch):
+    """DISTLAB_P2P_SIZE_CHECK=0: no check, and the short message goes through as gloo lets it (what the check is for)."""
+    monkeypatch.setenv(p2p.SIZE_CHECK_ENV, "0")
+    (on0, _), (on1, received) = run_distributed(_worker_size_mismatch, 2, "short", backend="gloo", timeout_s=30)
+    assert not on0 and not on1, "DISTLAB_P2P_SIZE_CHECK=0 must turn the check off"
+    assert received == [1.0] * 4 + [-1.0] * 4, f"gloo should accept the short message silently: {received}"
+
+
+def _worker_size_and_strict(rank, world_size):
+    pg = torch._C._distributed_c10d.ProcessGroup
+    states = []
+    def state():
+        return (p2p.size_check_enabled(), p2p.strict_enabled(), pg.send is p2p._sized_send)
+    p2p.enable_strict()
+    assert p2p.enable_size_check() and p2p.enable_size_check()  # idempotent
+    states.append(state())  # strict mode checks sizes itself: no headers
+    p2p.disable_strict()
+    states.append(state())  # the size check takes over
+    p2p.enable_strict()
+    states.append(state())
+    p2p.disable_size_check()
+    states.append(state())
+    return states
+
+
+def test_size_check_gives_way_to_strict_mode_and_comes_back_after_it():
+    assert run_distributed(_worker_size_and_strict, 1, backend="gloo") == [[
+        (True, True, False), (True, False, True), (True, True, False), (False, True, False)]]
 
 
 # --------------------------------------------------------------------------- the hazards
