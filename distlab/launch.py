@@ -56,7 +56,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from distlab import doctor
+from distlab import doctor, p2p
 from distlab.todo import LearnerTODO
 
 _CTX = None
@@ -358,6 +358,7 @@ def _child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s
                                     timeout=timedelta(seconds=pg_timeout_s))
         except Exception as exc:  # before any of the caller's code ran: see run_distributed's retry
             raise InitError(f"process group initialisation failed: {exc}") from exc
+        p2p.enable_size_check()  # a message shorter than its receive buffer raises (DISTLAB_P2P_SIZE_CHECK=0: off)
         message = ("ok", fn(rank, world_size, *args, **kwargs))
     except BaseException as exc:  # reported to the parent, never swallowed
         message = ("error", type(exc).__module__, type(exc).__qualname__, str(exc),
@@ -705,6 +706,8 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
         return DistEnv(rank, dist.get_world_size(), rank, backend, device)
+    # Every rank, before its first message: sizes travel with p2p messages (DISTLAB_P2P_SIZE_CHECK=0: off).
+    p2p.enable_size_check()
     if "RANK" not in os.environ:
         device = resolve_device(0, 1)
         backend = resolve_backend(backend, 1, device)

@@ -130,6 +130,50 @@ def test_size_check_is_off_only_when_asked(monkeypatch):
     assert received == [1.0] * 4 + [-1.0] * 4, f"gloo should accept the short message silently: {received}"
 
 
+def _worker_short_message_as_a_learner_writes_it(rank, world_size):
+    p2p.disable_strict()  # as outside pytest; the launcher alone must have turned the size check on
+    stale = torch.full((8,), -1.0)
+    dist.send(torch.ones(4), dst=1) if rank == 0 else dist.recv(stale, src=0)
+    return stale.tolist()
+
+
+def test_the_launcher_turns_the_size_check_on_in_every_rank(monkeypatch):
+    """run_distributed (tests, demos) checks sizes without the worker asking: the probe's short message raises."""
+    monkeypatch.delenv(p2p.SIZE_CHECK_ENV, raising=False)
+    with pytest.raises(Exception, match=SIZE_MISMATCHES["short"]):
+        run_distributed(_worker_short_message_as_a_learner_writes_it, 2, backend="gloo", timeout_s=30)
+
+
+_SHORT_MESSAGE_SCRIPT = """
+import torch, torch.distributed as dist
+from distlab.launch import init_from_env
+env = init_from_env()
+stale = torch.full((8,), -1.0)
+dist.send(torch.ones(4), dst=1) if env.rank == 0 else dist.recv(stale, src=0)
+print(f"rank {env.rank} kept {stale.tolist()}", flush=True)
+"""
+
+
+def test_init_from_env_turns_the_size_check_on_under_torchrun(tmp_path):
+    """The probe as a torchrun script, strict mode off (outside pytest): the job fails naming the short message."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    script = tmp_path / "short.py"
+    script.write_text(_SHORT_MESSAGE_SCRIPT)
+    env = {**os.environ, "DISTLAB_STRICT_P2P": "0", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop(p2p.SIZE_CHECK_ENV, None)
+    out = subprocess.run([sys.executable, "-m", "distlab.launch", "--standalone", "--nnodes=1", "--nproc_per_node=2",
+                          str(script)], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "kept [1.0, 1.0, 1.0, 1.0, -1.0" not in text, text[-3000:]
+    assert "got 16 bytes of float32 into a buffer of 32 bytes" in text, text[-3000:]
+
+
 def _worker_size_and_strict(rank, world_size):
     pg = torch._C._distributed_c10d.ProcessGroup
     states = []
