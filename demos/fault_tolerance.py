@@ -31,6 +31,7 @@ job restarts, resumes from the checkpoint of step 4 and finishes).
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import shutil
 import signal
@@ -56,7 +57,9 @@ class RunConfig:
     """One fault-tolerant run.
 
     Attempt i (torchrun's restart count) SIGKILLs rank ``crash_ranks[i % len]`` during
-    step ``crash_at_steps[i]``; attempts past the end of ``crash_at_steps`` run clean.
+    step ``crash_at_steps[i]``; attempts past the end of ``crash_at_steps`` run clean. With
+    ``crash_kinds[i % len] == "save"`` the kill comes instead in the middle of writing that
+    rank's file of the first checkpoint saved at or after that step (half of it on disk).
     """
 
     steps: int = 12
@@ -66,6 +69,7 @@ class RunConfig:
     keep: int = 3
     crash_at_steps: tuple[int, ...] = ()
     crash_ranks: tuple[int, ...] = (1,)
+    crash_kinds: tuple[str, ...] = ("step",)  # "step": during the step; "save": in the middle of the next save
     crash_node: int = -1   # >= 0: instead of one rank, the node started with NODE_RANK=crash_node is lost
     dropout: float = 0.1   # draws from torch's RNG: a resume that forgets the RNG state diverges
     noise: float = 0.1     # input noise, also from torch's RNG
@@ -90,6 +94,23 @@ def make_model(cfg: RunConfig) -> nn.Module:
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / cfg.warmup_steps))
+
+
+def _die_while_saving(ckpt, attempt: int, rank: int) -> None:
+    """Make this rank's next checkpoint file write stop halfway, then SIGKILL the rank (fault injection)."""
+    def save_file(obj, path) -> None:
+        path = Path(path)
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        data = buffer.getvalue()
+        print(f"[attempt {attempt}] rank {rank}: injected crash (SIGKILL) while writing {path.name}", flush=True)
+        with open(path.with_name(f".{path.name}.tmp{os.getpid()}"), "wb") as f:  # where a write in progress is
+            f.write(data[:len(data) // 2])
+            f.flush()
+            os.fsync(f.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    ckpt.save_file = save_file  # CheckpointManager.save writes each rank's file through it
 
 
 def _attempt() -> int:
@@ -157,6 +178,12 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> dict[str, torch.Tensor]
     attempt = _attempt()
     crash_step = cfg.crash_at_steps[attempt] if attempt < len(cfg.crash_at_steps) else -1
     crash_rank = cfg.crash_ranks[attempt % len(cfg.crash_ranks)]
+    crash_kind = cfg.crash_kinds[attempt % len(cfg.crash_kinds)] if crash_step >= 0 else "step"
+    if crash_kind == "save" and rank == crash_rank and cfg.crash_node < 0:
+        crash_step = -1  # not during the step: during the first save at or after it (below)
+        save_crash_step = cfg.crash_at_steps[attempt]
+    else:
+        save_crash_step = -1
     for step in range(start, cfg.steps):
         idx = sampler.next_indices()
         x, y = inputs[idx], labels[idx]
@@ -184,6 +211,8 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> dict[str, torch.Tensor]
             if rank == 0:  # replicated state is written once
                 state.update(model=model.state_dict(), scheduler=scheduler.state_dict(),
                              sampler=sampler.state_dict(), step=step + 1)
+            if 0 <= save_crash_step <= step:
+                _die_while_saving(ckpt, attempt, rank)
             manager.save(step + 1, state)
     final = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if rank == 0 and cfg.out:
@@ -206,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="attempt i SIGKILLs --crash-rank during the i-th step given (needs MAX_RESTARTS)")
     parser.add_argument("--crash-rank", type=int, nargs="+", default=list(defaults.crash_ranks),
                         help="the rank killed by attempt i is the i-th of these (cycled)")
+    parser.add_argument("--crash-kind", choices=("step", "save"), nargs="+", default=list(defaults.crash_kinds),
+                        help="how attempt i's kill comes (cycled): during the step, or in the middle of writing "
+                             "the first checkpoint at or after it")
     parser.add_argument("--crash-node", type=int, default=-1, metavar="NODE_RANK",
                         help="at the crash step, the node started with this NODE_RANK is lost (its agent and "
                              "ranks are SIGKILLed); with NNODES=MIN:MAX the others go on without it")
@@ -232,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
         args = resolve_args(args, env.world_size)
         cfg = RunConfig(steps=args.steps, global_batch=args.global_batch, ckpt_dir=args.ckpt_dir,
                         ckpt_every=args.ckpt_every, keep=args.keep, crash_at_steps=tuple(args.crash_at_step),
-                        crash_ranks=tuple(args.crash_rank), crash_node=args.crash_node,
+                        crash_ranks=tuple(args.crash_rank), crash_kinds=tuple(args.crash_kind),
+                        crash_node=args.crash_node,
                         heartbeat_timeout_s=args.heartbeat_timeout, out=args.out, device=str(env.device))
         if args.fresh and _attempt() == 0:
             if env.rank == 0:

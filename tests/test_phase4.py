@@ -471,19 +471,29 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
     # Three kills in one job, at random steps of an increasing sequence, alternating the
     # killed rank (rank 0 writes the replicated state): attempts 0, 1, 2 crash, 3 finishes.
+    # The second kill comes in the middle of a save (half of the killed rank's file on disk):
+    # the torn step must be passed over and the run resumed from the one before it.
     crash_steps = sorted(rng.sample(range(1, 12), 3))
     crash_ranks = [rng.randrange(2) for _ in crash_steps]
+    crash_kinds = ["step", "save", "step"]
     cfg = ft.RunConfig(ckpt_dir=str(tmp_path / "baseline"))
     expected = run_distributed(_worker_uninterrupted, 2, cfg, timeout_s=60)[0]
     out = tmp_path / "final.pt"
-    what = f"kills at steps {crash_steps} of ranks {crash_ranks}"
+    what = f"kills at steps {crash_steps} of ranks {crash_ranks}, {crash_kinds}"
     proc = _run_torchrun(["--ckpt-dir", str(tmp_path / "ckpt"), "--crash-at-step", *map(str, crash_steps),
-                          "--crash-rank", *map(str, crash_ranks), "--out", str(out)], timeout_s=120,
-                         harness=tmp_path / "harness.py")
+                          "--crash-rank", *map(str, crash_ranks), "--crash-kind", *crash_kinds, "--out", str(out)],
+                         timeout_s=120, harness=tmp_path / "harness.py")
     _raise_unfinished_todo([proc.stdout])
     assert proc.returncode == 0 and out.is_file(), f"{what}: torchrun exited {proc.returncode}:\n{proc.stdout[-4000:]}"
-    # A kill before the first checkpoint (step < ckpt_every) restarts from scratch: no resume.
-    expected_resumes = sum(1 for s in crash_steps if s >= cfg.ckpt_every)
+    assert proc.stdout.count("injected crash (SIGKILL) while writing") == 1, proc.stdout[-4000:]
+    # A restart resumes when some checkpoint was complete before its kill (a kill before the
+    # first one restarts from scratch). Saves after step indices p with (p + 1) % ckpt_every == 0.
+    saves = [p for p in range(cfg.steps) if (p + 1) % cfg.ckpt_every == 0 or p + 1 == cfg.steps]
+    expected_resumes, complete = 0, False
+    for step, kind in zip(crash_steps, crash_kinds):
+        killed_at = step if kind == "step" else min(p for p in saves if p >= step)  # a killed save is torn
+        complete = complete or any(p < killed_at for p in saves)
+        expected_resumes += complete
     resumed = proc.stdout.count("resumed from")
     assert resumed == expected_resumes, \
         f"{what}: {resumed} resumes logged, expected {expected_resumes}:\n{proc.stdout[-4000:]}"
