@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils._pytree
+from torch.autograd import Variable
 
 
 def group_root(group: dist.ProcessGroup | None = None) -> int:
@@ -83,9 +85,19 @@ class NoSyncMixin:
 
     Inside ``with wrapper.no_sync():`` backwards accumulate ``p.grad`` locally; the next
     backward outside reduces the accumulated sum, as in ``torch.nn.parallel.DistributedDataParallel``.
+    ``require_backward_grad_sync`` is torch's name for the flag (nanoGPT sets it instead of
+    entering ``no_sync()``): reading or setting it reads or sets ``require_sync``.
     """
 
     require_sync: bool = True
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        return self.require_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self.require_sync = bool(value)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -94,6 +106,49 @@ class NoSyncMixin:
             yield
         finally:
             self.require_sync = previous
+
+
+class FinishInBackwardMixin(NoSyncMixin):
+    """Finish a data-parallel wrapper's gradient synchronisation when backward ends, as torch's DDP does.
+
+    A wrapper whose gradient hooks launch communication owes a wait at the end of backward.
+    torch's DDP pays it in an autograd callback, so ``loss.backward(); optimizer.step()`` is
+    all a user writes. The wrapper calls ``self._after_forward(out)`` at the end of its forward
+    and ``self._begin_backward()`` from its gradient hooks; the autograd engine then calls
+    ``self.finish_gradient_synchronization()`` once, after the last hook of that backward. The
+    wrapper's finish returns at once unless ``self._finish_owed`` (and clears it), so calling it
+    again by hand is harmless.
+
+    As in torch, the forward decides: a forward run inside ``no_sync()`` (or with
+    ``require_backward_grad_sync = False``) makes its backward accumulate locally, wherever that
+    backward runs. Buffers are broadcast before a forward only if the previous forward with
+    gradients enabled synchronised (torch's ``require_forward_param_sync``): the first forward
+    after an evaluation under ``no_grad`` or a ``no_sync`` micro-batch keeps this rank's buffers.
+    """
+
+    _sync_backward: bool = True          # what the next backward does: decided by the last forward
+    _sync_buffers_next: bool = True      # torch's require_forward_param_sync
+    _finish_owed: bool = False           # a backward launched communication not yet waited for
+
+    def _after_forward(self, out: Any) -> Any:
+        if torch.is_grad_enabled():
+            self._sync_backward = self._sync_buffers_next = self.require_sync
+            if self.require_sync:  # a backward through any output finishes, even one reaching no parameter
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if torch.is_tensor(t) and t.requires_grad:
+                        t.register_hook(self._on_output_grad)
+        else:
+            self._sync_buffers_next = False
+        return out
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        self._begin_backward()
+
+    def _begin_backward(self) -> None:
+        """Called from inside backward: make sure the finish runs when this backward ends."""
+        if not self._finish_owed:
+            self._finish_owed = True
+            Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
 
 
 def check_divisible(n: int, parts: int, what: str, by_what: str) -> int:

@@ -19,7 +19,10 @@ fewer calls:
   different order.
 * ``finish_gradient_synchronization()``: launch what is left, wait (gradients were
   divided by W on their way into the bucket, and ``p.grad`` are views: nothing to copy back).
-* ``no_sync()`` (``distlab.sync.NoSyncMixin``): hooks do nothing; gradients accumulate in ``p.grad``.
+  The end of backward calls it (an autograd callback, ``distlab.sync.FinishInBackwardMixin``,
+  as torch's DDP does): ``loss.backward(); optimizer.step()`` is enough, a second call does nothing.
+* ``no_sync()`` (or torch's ``require_backward_grad_sync = False``): a forward inside it makes
+  its backward's hooks do nothing; gradients accumulate in ``p.grad``.
 * Unused parameters: a bucket holding one never fills. With
   ``find_unused_parameters=True`` they are marked ready (zeros) at the finish and one
   extra all-reduce of a "used" bitmap tells which ones no rank used: those keep
@@ -41,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.sync import NoSyncMixin, broadcast_module, group_root
+from distlab.sync import FinishInBackwardMixin, broadcast_module, group_root
 from distlab.todo import todo
 
 
@@ -85,7 +88,7 @@ def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float,
     return buckets
 
 
-class DDPBucketed(NoSyncMixin, nn.Module):
+class DDPBucketed(FinishInBackwardMixin, nn.Module):
     """Data parallelism with gradients all-reduced in buckets, overlapped with backward.
 
     Args:
@@ -98,8 +101,8 @@ class DDPBucketed(NoSyncMixin, nn.Module):
 
     Equivalent to: ``torch.nn.parallel.DistributedDataParallel(module,
     bucket_cap_mb=bucket_size_mb, find_unused_parameters=...)``.
-    Collective: construction, forward, backward and ``finish_gradient_synchronization``
-    on every rank of ``group``.
+    Collective: construction, forward and backward (whose end runs
+    ``finish_gradient_synchronization``) on every rank of ``group``.
     Cost: one all-reduce per bucket per step, |grads| bytes in all.
     """
 
@@ -113,7 +116,7 @@ class DDPBucketed(NoSyncMixin, nn.Module):
         self.src = group_root(group)
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
-        self.require_sync = True  # False inside no_sync() (NoSyncMixin): gradients accumulate locally
+        self.require_sync = True  # False inside no_sync(): the next backward accumulates locally
         broadcast_module(module, group)  # replicas start equal to rank 0's (Phase 1's lesson)
         # Reverse registration order approximates the order gradients become ready.
         trainable = [p for p in module.parameters() if p.requires_grad][::-1]
@@ -131,7 +134,7 @@ class DDPBucketed(NoSyncMixin, nn.Module):
         self._next = 0  # the next bucket to launch: buckets launch in index order on every rank
 
     def forward(self, *args, **kwargs):
-        if self.broadcast_buffers and self.world_size > 1:
+        if self.broadcast_buffers and self.world_size > 1 and self._sync_buffers_next:
             # Buffers are coalesced like gradients: one broadcast per dtype, not one per
             # tensor (ResNet-18 has 60 BatchNorm buffers; 60 small calls cost 60 latencies).
             with torch.no_grad():
@@ -143,7 +146,7 @@ class DDPBucketed(NoSyncMixin, nn.Module):
                     dist.broadcast(flat, src=self.src, group=self.group)
                     for t, part in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
                         t.copy_(part.view_as(t))
-        return self.module(*args, **kwargs)
+        return self._after_forward(self.module(*args, **kwargs))
 
     def _launch_ready_buckets(self) -> None:
         """All-reduce, in index order, every full bucket that is next in line."""
@@ -153,8 +156,9 @@ class DDPBucketed(NoSyncMixin, nn.Module):
             self._next += 1
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self.require_sync:
+        if not self._sync_backward:  # its forward ran inside no_sync()
             return
+        self._begin_backward()  # the end of this backward calls finish_gradient_synchronization()
         b, i = self._where[p]
         bucket = self.buckets[b]
         # --- TODO 3.13: fill the bucket from the gradient hook ---
@@ -168,12 +172,15 @@ class DDPBucketed(NoSyncMixin, nn.Module):
     def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket's all-reduce and write the means back into ``p.grad``.
 
-        Call after ``loss.backward()``, before ``optimizer.step()``.
-        Collective: every rank of ``group`` must call it after the same backward.
-        Raises RuntimeError if a parameter got no gradient and ``find_unused_parameters`` is off.
+        Called by the autograd engine when a synced backward ends; calling it again, after
+        ``loss.backward()`` and before ``optimizer.step()``, does nothing.
+        Collective: every rank of ``group`` runs it after the same backward.
+        Raises RuntimeError (from ``backward()``) if a parameter got no gradient and
+        ``find_unused_parameters`` is off.
         """
-        if not self.require_sync:
+        if not self._finish_owed:  # already finished (or nothing was launched)
             return
+        self._finish_owed = False
         # --- TODO 3.14: finish: unused parameters, wait ---
         # Goal: every bucket gets launched and waited for, even one holding a parameter that got
         # no gradient here (an error naming it, unless find_unused_parameters: then it adds zeros,

@@ -13,7 +13,9 @@ run while layers L-1 ... 1 are still differentiating:
    autograd has finished accumulating ``p.grad``, launch ``all_reduce(p.grad,
    async_op=True)`` and keep the handle;
 3. ``finish_gradient_synchronization()`` before ``optimizer.step()``: wait for every
-   handle, divide by W.
+   handle, divide by W. The bench calls it for you when backward ends (an autograd
+   callback, ``distlab.sync.FinishInBackwardMixin``, as torch's DDP does), so
+   ``loss.backward(); optimizer.step()`` is enough; calling it again does nothing.
 
 Cost per step: one all-reduce per trainable parameter, |grads| bytes in all, hidden
 behind backward except the last one. Many small all-reduces pay the per-call
@@ -30,10 +32,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.sync import NoSyncMixin, broadcast_tensors, group_root
+from distlab.sync import FinishInBackwardMixin, broadcast_tensors, group_root
 
 
-class DDPIndividualParameters(NoSyncMixin, nn.Module):
+class DDPIndividualParameters(FinishInBackwardMixin, nn.Module):
     """Wrap ``module`` for data parallelism with one overlapped all-reduce per parameter.
 
     Args:
@@ -42,9 +44,10 @@ class DDPIndividualParameters(NoSyncMixin, nn.Module):
         broadcast_buffers: like torch's DDP, copy rank 0's buffers before every forward.
 
     Equivalent to: ``torch.nn.parallel.DistributedDataParallel(module)``; after
-    ``finish_gradient_synchronization()`` every rank holds the gradient of the mean
-    loss over the global batch. ``no_sync()`` (from ``NoSyncMixin``) makes the hooks
-    skip: gradients accumulate locally until the next synced backward.
+    backward (whose end calls ``finish_gradient_synchronization()``) every rank holds the
+    gradient of the mean loss over the global batch. A forward inside ``no_sync()`` (or
+    with ``require_backward_grad_sync = False``) makes its backward's hooks skip: gradients
+    accumulate locally until the next synced backward.
     Collective: construction, every forward (buffers) and every backward must happen
     on all ranks, with the same parameters receiving gradients (a parameter unused on
     one rank only makes the ranks' all-reduce sequences differ: a hang).
@@ -58,7 +61,7 @@ class DDPIndividualParameters(NoSyncMixin, nn.Module):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.broadcast_buffers = broadcast_buffers
-        self.require_sync = True  # False inside no_sync(): gradients accumulate locally
+        self.require_sync = True  # False inside no_sync(): the next backward accumulates locally
         self._handles: list[tuple[dist.Work, torch.Tensor]] = []
         src = group_root(group)  # group rank 0, as the global rank that src= expects
         with torch.no_grad():
@@ -76,8 +79,9 @@ class DDPIndividualParameters(NoSyncMixin, nn.Module):
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         """Autograd has finished writing ``p.grad`` for this backward."""
-        if not self.require_sync:
+        if not self._sync_backward:  # its forward ran inside no_sync()
             return
+        self._begin_backward()  # the end of this backward calls finish_gradient_synchronization()
         # ### BEGIN SOLUTION 3.11a: launch an async all-reduce from the hook [guidelines_ddp_zero.md#ddp-overlap]
         # Goal: start summing `p.grad` over the ranks of `self.group` now and return at once,
         # so the reduction overlaps the backward of earlier layers; remember what is in flight
@@ -88,16 +92,20 @@ class DDPIndividualParameters(NoSyncMixin, nn.Module):
         # ### END SOLUTION 3.11a
 
     def forward(self, *args, **kwargs):
-        if self.broadcast_buffers and self.world_size > 1:
+        if self.broadcast_buffers and self.world_size > 1 and self._sync_buffers_next:
             broadcast_tensors(self.module.buffers(), self.group)  # e.g. BatchNorm's running stats
-        return self.module(*args, **kwargs)
+        return self._after_forward(self.module(*args, **kwargs))
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every all-reduce launched in this backward; gradients become means.
 
-        Call after ``loss.backward()`` and before ``optimizer.step()``.
-        Collective: every rank must call it after the same backward.
+        Called by the autograd engine when a synced backward ends; calling it again, after
+        ``loss.backward()`` and before ``optimizer.step()``, does nothing.
+        Collective: every rank runs it after the same backward.
         """
+        if not self._finish_owed:  # already finished (or nothing was launched)
+            return
+        self._finish_owed = False
         # ### BEGIN SOLUTION 3.11b: wait for the all-reduces [guidelines_ddp_zero.md#ddp-overlap]
         # Goal: when this returns, every gradient launched in this backward holds the MEAN over
         # the W ranks (the all-reduces produced sums), and nothing is left in flight for the
