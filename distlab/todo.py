@@ -58,7 +58,10 @@ def run_demo(main: Callable[[], object]) -> None:
     try:
         record(main)()
     except LearnerTODO as exc:
-        print(str(exc), file=sys.stderr, flush=True)
+        # One write for the line and its newline: torchrun runs workers with ``python -u``, where
+        # print() writes them apart and two ranks' lines interleave ("TODO ...TODO ...\n\n").
+        sys.stderr.write(f"{exc}\n")
+        sys.stderr.flush()
         sys.exit(TODO_EXIT_CODE)
     except Exception as exc:
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
@@ -125,10 +128,13 @@ def filter_launcher_output(lines: Iterable[str], out: TextIO) -> bool:
     held: list[str] = []
     for line in lines:
         text = line.rstrip("\n")
-        if re.match(r"TODO \S+ .*: not implemented yet \(see \S+\)$", text.strip()):
-            if text.strip() not in seen:
-                seen.append(text.strip())
-                print(text.strip(), file=out, flush=True)
+        # Each TODO line once, also where ranks' lines were glued together (another program's workers)
+        todos = re.findall(r"TODO \S+ .*?: not implemented yet \(see \S+?\)", text)
+        if todos and not re.sub(r"TODO \S+ .*?: not implemented yet \(see \S+?\)", "", text).strip():
+            for todo_line in todos:
+                if todo_line not in seen:
+                    seen.append(todo_line)
+                    print(todo_line, file=out, flush=True)
             continue
         if seen:
             held.append(line)

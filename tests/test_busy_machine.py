@@ -123,3 +123,45 @@ def test_a_job_the_watchdog_ended_points_at_the_doctors_report_not_at_the_rank_t
     report = summarize_failure(ChildFailedError("demos.x", failures))
     assert report.startswith("demos.x failed on rank 0 (exit code 75): ended by the hang doctor's watchdog: "
                              "its report above"), report
+
+
+def test_todo_lines_glued_by_two_ranks_are_printed_once_each():
+    """torchrun's workers run with ``python -u``: two ranks' TODO lines could arrive glued together
+    (each print wrote its text and its newline apart; seen under load as "TODO 1.1 ...TODO 1.1 ...")."""
+    import io
+
+    from distlab.todo import filter_launcher_output
+
+    line = "TODO 1.1 all-reduce by reduce + broadcast: not implemented yet (see guidelines.md#all-reduce)"
+    out = io.StringIO()
+    assert filter_launcher_output([line + line + "\n", "\n", line + "\n"], out)
+    assert out.getvalue().splitlines()[0] == line and out.getvalue().count("TODO 1.1") == 1, out.getvalue()
+
+
+def test_a_demo_writes_its_todo_line_in_one_write(capfd):
+    from distlab.todo import TODO_EXIT_CODE, run_demo
+
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+            return len(text)
+
+        def flush(self):
+            pass
+
+        def fileno(self):  # torch's @record installs a fault handler on it
+            return sys.__stderr__.fileno()
+
+    def main():
+        raise todo("1.1 all-reduce", "guidelines.md#all-reduce")
+
+    real, sys.stderr = sys.stderr, Recorder()
+    try:
+        with pytest.raises(SystemExit) as info:
+            run_demo(main)
+    finally:
+        sys.stderr = real
+    assert info.value.code == TODO_EXIT_CODE
+    assert len(writes) == 1 and writes[0].startswith("TODO 1.1") and writes[0].endswith("\n"), writes

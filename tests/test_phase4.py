@@ -300,6 +300,31 @@ def test_manager_falls_back_to_newest_good_checkpoint(world_size, tmp_path):
     run_distributed(_worker_manager, world_size, str(tmp_path / "ckpt"))
 
 
+def _worker_two_runs(rank, world_size, directory):
+    # 4.4 alone: saving and verifying (4.1, 4.2) come from the reference (patched in this rank only).
+    ckpt = _reference_prerequisites(load(PHASE, "checkpoint"), ["save_file", "load_file", "verify_file",
+                                                                      "CheckpointError"])
+    with ckpt.CheckpointManager(directory, keep=3) as other:  # closed before this run takes the directory
+        for step in (14, 16, 18):
+            other.save(step, {"weight": torch.zeros(7)})
+    foreign = {p: p.read_bytes() for p in Path(directory).rglob("*.pt")}
+    with ckpt.CheckpointManager(directory, keep=3) as manager:
+        for step in range(2, 13, 2):
+            manager.save(step, {"w": torch.full((3,), float(step))})
+    names = sorted(p.name for p in Path(directory).iterdir())
+    assert names == [f"step_{s:08d}" for s in (8, 10, 12, 14, 16, 18)], \
+        f"keep=3 of this run's own (8, 10, 12) and the other run's untouched (14, 16, 18): left {names}"
+    assert {p: p.read_bytes() for p in foreign} == foreign, "the other run's files changed"
+
+
+@pytest.mark.exercise("4.4 checkpoint manager")
+def test_manager_never_counts_nor_deletes_another_runs_checkpoints(tmp_path):
+    """Another experiment left newer checkpoints in the directory (steps 14-18, good ones). This run
+    saves 2-12 with keep=3: it keeps its own 8, 10, 12 and leaves the other run's alone. Counting
+    them deleted every checkpoint of the new run (steps 2-12 saved, 0 kept)."""
+    run_distributed(_worker_two_runs, 1, str(tmp_path / "ckpt"))
+
+
 # --------------------------------------------------------------------------- 4.5-4.6 elastic pieces
 def _reference_batches(n, global_batch, seed, steps):
     """Explicit single-process order: epoch e is randperm(n) seeded seed + e, tail dropped."""
