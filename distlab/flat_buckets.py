@@ -1,5 +1,6 @@
-"""Pre-written flat buffers: the layout of ZeRO stages 1-2 (phase3_multi_node/zero.py), and the
-messages of the parameter server (phase3_multi_node/parameter_server.py: ``pack``, ``unpack``).
+"""Pre-written flat buffers: the layout of ZeRO stages 1-2 (phase3_multi_node/zero.py) and its
+optimizer state dicts, and the messages of the parameter server (phase3_multi_node/parameter_server.py:
+``pack``, ``unpack``).
 
 Trainable parameters are packed end to end in flat buckets padded to a multiple of W;
 rank r owns chunk r of every bucket. The parameters become views into their bucket, so an
@@ -13,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 
@@ -67,3 +69,89 @@ def unpack(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     with torch.no_grad():
         for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
             t.copy_(piece.view_as(t))
+
+
+# ---------------------------------------------------------------------- optimizer state of flat chunks
+# ZeroOptimizer's state_dict plumbing (phase3_multi_node/zero.py). Its inner optimizer holds one
+# state entry per chunk (inner index i <-> bucket i); a torch optimizer holds one per parameter,
+# indexed in the order the parameters were given (frozen ones included). A *sharded* state is the
+# inner one plus the layout it is only valid in; a *consolidated* one is torch's per-parameter
+# format (what AdamW(model.parameters()).state_dict() or a consolidated ZeroRedundancyOptimizer
+# gives): it loads into any world size, bucket size, or a plain torch optimizer.
+
+def bucket_layout(buckets: list[FlatBucket], index: dict[nn.Parameter, int]) -> list[dict]:
+    """Per bucket: the global indices, shapes and offsets of its parameters and its padded size."""
+    return [{"params": [index[p] for p in b.params], "shapes": [list(p.shape) for p in b.params],
+             "offsets": list(b.offsets), "padded": b.flat.numel()} for b in buckets]
+
+
+def check_sharded_state(saved: dict, rank: int, world_size: int, layout: list[dict]) -> None:
+    """A ValueError, in one line, naming what differs between a saved sharded state and this optimizer."""
+    fix = ("load the state_dict() this rank saved, or call consolidate_state_dict(to=0) on every rank "
+           "before saving rank 0's state_dict() (a consolidated state loads at any world size)")
+    if (saved["rank"], saved["world_size"]) != (rank, world_size):
+        raise ValueError(f"optimizer state of rank {saved['rank']} of {saved['world_size']} cannot load into "
+                         f"rank {rank} of {world_size}: {fix}")
+    if len(saved["layout"]) != len(layout):
+        raise ValueError(f"optimizer state has {len(saved['layout'])} flat buckets, this optimizer "
+                         f"{len(layout)} (other parameters or bucket_size_mb): {fix}")
+    for i, (a, b) in enumerate(zip(saved["layout"], layout)):
+        if a != b:
+            what = next(k for k in ("params", "shapes", "offsets", "padded") if a[k] != b[k])
+            raise ValueError(f"optimizer state's bucket {i} has {what} {a[what]}, this optimizer's {b[what]} "
+                             f"(other parameters or bucket_size_mb): {fix}")
+
+
+@torch.no_grad()
+def gather_flat_state(inner: dict, buckets: list[FlatBucket], index: dict[nn.Parameter, int], to: int,
+                      group=None) -> dict[int, dict] | None:
+    """Per-parameter state (torch's format, on the CPU) on group rank ``to``; None elsewhere.
+
+    ``inner``: the state_dict of an optimizer built on the chunks (inner index i: bucket i).
+    Collective: every rank of ``group`` calls it after the same steps. Cost: K Psi (W-1)/W bytes into ``to``.
+    """
+    rank, dst = dist.get_rank(group), dist.get_global_rank(group, to) if group is not None else to
+    out: dict[int, dict] = {}
+    for i, b in enumerate(buckets):
+        for key, value in inner["state"].get(i, {}).items():  # same keys on every rank: same steps
+            if torch.is_tensor(value) and value.dim() > 0:  # shaped like my chunk: gather the others'
+                mine = value.to(b.flat.device)
+                parts = [torch.empty_like(mine) for _ in range(b.world_size)] if rank == to else None
+                dist.gather(mine, parts, dst=dst, group=group)
+                value = torch.cat(parts).cpu() if rank == to else None
+            if rank != to:
+                continue
+            for p, start in zip(b.params, b.offsets):  # scalars (Adam's step) are the same on every rank
+                shaped = torch.is_tensor(value) and value.dim() > 0
+                v = value[start:start + p.numel()].view(p.shape) if shaped else value
+                out.setdefault(index[p], {})[key] = v.clone() if torch.is_tensor(v) else v
+    return out if rank == to else None
+
+
+def shard_flat_state(state: dict[int, dict], buckets: list[FlatBucket], index: dict[nn.Parameter, int],
+                     names: dict[nn.Parameter, str]) -> dict[int, dict]:
+    """The inverse: this rank's chunk of every bucket's state (inner index i: bucket i), from per-parameter ``state``."""
+    out: dict[int, dict] = {}
+    for i, b in enumerate(buckets):
+        have = [index[p] in state for p in b.params]
+        if not any(have):
+            continue
+        if not all(have):
+            p = b.params[have.index(False)]
+            raise ValueError(f"optimizer state has none for {names[p]} (index {index[p]}) but has some for the "
+                             f"parameters flattened with it: load a state saved after a step that updated all of them")
+        first = state[index[b.params[0]]]
+        out[i] = {}
+        for key, value in first.items():
+            if not (torch.is_tensor(value) and value.dim() > 0):
+                out[i][key] = value.clone() if torch.is_tensor(value) else value
+                continue
+            flat = torch.zeros(b.flat.numel(), dtype=value.dtype, device=value.device)
+            for p, start in zip(b.params, b.offsets):
+                t = state[index[p]][key]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"optimizer state {key!r} of {names[p]} (index {index[p]}) has shape "
+                                     f"{tuple(t.shape)}, the parameter {tuple(p.shape)}: a state of another model")
+                flat[start:start + p.numel()].copy_(t.reshape(-1))
+            out[i][key] = b.chunk(flat).clone()
+    return out
