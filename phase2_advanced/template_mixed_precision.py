@@ -14,11 +14,9 @@ gradients by S before the step. S is *dynamic*: when a step produces inf/nan
 (overflow), the step is skipped and S halves; after ``growth_interval`` clean steps
 in a row, S doubles. bf16 has fp32's exponent range and rarely needs scaling.
 
-A skip or a few is the scale finding its level. A skip at *every* step is not an
-overflow at all: the gradients are inf/nan whatever the scale (nan in the inputs, a
-log of 0), and the run would end with loss nan without a word. So the scaler warns
-after ``warn_skipped_steps`` skips in a row and stops after ``max_skipped_steps``,
-naming the first non-finite gradient and the rank that holds it.
+A skip at *every* step is not an overflow: the gradients are inf/nan whatever the
+scale. The scaler warns after ``warn_skipped_steps`` skips in a row and stops after
+``max_skipped_steps``, naming the first non-finite gradient (``distlab.skips``, given).
 
 With data parallelism every rank must make the same skip decision, or replicas
 diverge: the scaler all-reduces its found-inf flag (MAX, 4 bytes). After a full
@@ -35,22 +33,19 @@ Run the demo: ``RUN_MODE=mixed_precision ./entrypoint.sh`` (TinyGPT, fp32 vs bf1
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from distlab.skips import NonFiniteGradientsError, SkipWatch  # noqa: F401 (the error update() raises)
 from distlab.todo import todo
 
 
 def _fp32(x: float) -> float:
     """Round to the nearest float32, as GradScaler keeps its scale in a float32 tensor."""
     return torch.tensor(x, dtype=torch.float32).item()
-
-
-class NonFiniteGradientsError(RuntimeError):
-    """Every step for ``max_skipped_steps`` in a row had inf/nan gradients: no scale cures that."""
 
 
 class DynamicLossScaler:
@@ -69,12 +64,9 @@ class DynamicLossScaler:
         backoff_factor: S *= backoff_factor after a step with inf/nan.
         growth_interval: clean steps needed before growing.
         group: the ranks that must agree on skipping (None: WORLD when initialised).
-        warn_skipped_steps: warn (group rank 0) when this many steps in a row were skipped.
-        max_skipped_steps: raise ``NonFiniteGradientsError`` at this many skips in a row, naming
-            the first non-finite gradient and its rank (None: never). 50 halvings take a scale
-            of 2^16 to 2^-34: an fp16 overflow has long been cured by then; what is left is nan/inf
-            that no scale removes.
-        named_parameters: ``model.named_parameters()``, to name that gradient (else its index).
+        warn_skipped_steps, max_skipped_steps, named_parameters: warn at that many skips in a row,
+            raise ``NonFiniteGradientsError`` at that many (None: never), naming the first non-finite
+            gradient by its name (``distlab.skips.SkipWatch``).
 
     Equivalent to: ``torch.amp.GradScaler`` with the same arguments: same scales,
         same skipped steps, same parameters.
@@ -95,10 +87,6 @@ class DynamicLossScaler:
             raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
         if growth_interval < 1:
             raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
-        if warn_skipped_steps < 1:
-            raise ValueError(f"warn_skipped_steps must be >= 1, got {warn_skipped_steps}")
-        if max_skipped_steps is not None and max_skipped_steps < 1:
-            raise ValueError(f"max_skipped_steps must be >= 1 (or None: never stop), got {max_skipped_steps}")
         self.scale_value = _fp32(init_scale)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -106,10 +94,7 @@ class DynamicLossScaler:
         self.group = group
         self.growth_tracker = 0           # clean steps in a row since the last change
         self.found_inf: bool | None = None  # this step's verdict; None until unscale_
-        self.warn_skipped_steps = warn_skipped_steps
-        self.max_skipped_steps = max_skipped_steps
-        self.names = {id(p): name for name, p in (named_parameters or ())}
-        self.skipped_in_a_row = 0
+        self.skips = SkipWatch(warn_skipped_steps, max_skipped_steps, named_parameters, group)
         self._optimizer: torch.optim.Optimizer | None = None  # the last unscale_'s: its gradients are diagnosed
 
     def get_scale(self) -> float:
@@ -152,57 +137,13 @@ class DynamicLossScaler:
         """Back off after an overflow, grow after ``growth_interval`` clean steps; start a new step."""
         if self.found_inf is None:
             raise RuntimeError("update() needs a step: call unscale_() or step() first")
-        self._watch_skips()
+        self.skips.observe(bool(self.found_inf), self.scale_value, self._optimizer)  # warn, or stop the run
         # --- TODO 2.4b: back off or grow the scale ---
         # Goal: adapt the scale as torch.amp.GradScaler does: shrink it after an overflow; grow
         # it after growth_interval clean steps in a row (never to inf); keep every new scale a
         # float32 value. Then forget this step's verdict, so the next step starts fresh.
         raise todo("2.4b back off or grow the scale", "guidelines.md#mixed-precision")
         # --- end TODO 2.4b ---
-
-
-    def _watch_skips(self) -> None:
-        """Count the skips in a row: warn at ``warn_skipped_steps``, stop at ``max_skipped_steps``.
-
-        Collective when it stops: ``_first_non_finite`` gathers every rank's finding. The ranks
-        agreed on every skip, so they all stop at the same step.
-        """
-        if not self.found_inf:
-            self.skipped_in_a_row = 0
-            return
-        self.skipped_in_a_row += 1
-        n = self.skipped_in_a_row
-        if self.max_skipped_steps is not None and n >= self.max_skipped_steps:
-            raise NonFiniteGradientsError(
-                f"DynamicLossScaler: {n} steps in a row skipped for inf/nan gradients (max_skipped_steps="
-                f"{self.max_skipped_steps}), the scale down to {self.scale_value:g}: no scale makes them finite; "
-                f"{self._first_non_finite()}. Check the inputs and the loss for nan/inf (torch.isfinite), "
-                "or raise max_skipped_steps")
-        if n == self.warn_skipped_steps and (not dist.is_initialized() or dist.get_rank(self.group) == 0):
-            stop = f"stops at {self.max_skipped_steps}" if self.max_skipped_steps else "never stops (max_skipped_steps=None)"
-            warnings.warn(f"DynamicLossScaler: {n} steps in a row skipped for inf/nan gradients, at scale "
-                          f"{self.scale_value:g}; if every step overflows, the inputs or the loss hold nan/inf "
-                          f"(the scaler {stop})", RuntimeWarning, stacklevel=3)
-
-    def _first_non_finite(self) -> str:
-        """Where the first inf/nan gradient is: in optimizer order, on the lowest rank that has one."""
-        mine, index = None, 0
-        for param_group in self._optimizer.param_groups if self._optimizer is not None else []:
-            for p in param_group["params"]:
-                if mine is None and p.grad is not None and not torch.isfinite(p.grad).all():
-                    kind = "nan" if torch.isnan(p.grad).any() else "inf"
-                    mine = f"{self.names.get(id(p), f'parameter {index} of the optimizer')} {tuple(p.shape)} ({kind})"
-                index += 1
-        if not dist.is_initialized():
-            return f"the first non-finite gradient is {mine}" if mine else "no gradient is non-finite any more"
-        found: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(found, mine, group=self.group)  # once, when the run stops
-        ranks = [dist.get_global_rank(self.group, r) if self.group is not None else r
-                 for r, f in enumerate(found) if f]
-        if not ranks:
-            return "no rank holds a non-finite gradient any more (freed after unscale_?)"
-        also = f" (ranks {', '.join(map(str, ranks[1:]))} have one too)" if len(ranks) > 1 else ""
-        return f"the first non-finite gradient is {next(f for f in found if f)} on rank {ranks[0]}{also}"
 
 
 def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
