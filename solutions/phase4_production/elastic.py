@@ -24,6 +24,7 @@ See phase4_production/guidelines.md#elastic-training.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from datetime import timedelta
 from typing import Iterable
@@ -144,7 +145,13 @@ class FlatShardedAdam(torch.optim.Optimizer):
     """Adam whose moments are sharded: rank r updates only its slice of the flat parameters.
 
     Gradients must already be averaged over the ranks (all-reduce before ``step``).
-    The same update as ``torch.optim.Adam`` (no weight decay), element for element.
+    The same update as ``torch.optim.Adam`` (no weight decay), element for element, with each
+    parameter group's own ``lr``, ``betas`` and ``eps``. The moments live in ``self.state`` as
+    torch's do: ``state[p]`` holds the part of p inside my slice (1-D), so ``state_dict()``
+    and ``load_state_dict()`` carry them; ``state_dict()`` adds my range, rank and world size,
+    and a load checks them (a slice saved by another rank or at another W is refused: reshard
+    it with ``shard_state_dict``/``load_shards``); a per-parameter state (``torch.optim.Adam``'s)
+    loads as my part of each tensor.
 
     Collective: ``step`` must be called on every rank (it all-gathers the parameters).
     Cost: optimizer memory 2 |params| / W per rank; |params| bytes all-gathered per step.
@@ -159,52 +166,96 @@ class FlatShardedAdam(torch.optim.Optimizer):
         self.numel = sum(p.numel() for p in self.params)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.start, self.end = shard_range(self.numel, self.rank, self.world_size)
-        like = self.params[0]
-        self.exp_avg = torch.zeros(self.end - self.start, dtype=like.dtype, device=like.device)
-        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        self.step_count = 0
+        # (param, its first flat index, [lo, hi) of my slice inside it): the params my slice touches
+        offsets = [0, *itertools.accumulate(p.numel() for p in self.params)]
+        self._mine = [(p, a, max(self.start, a) - a, min(self.end, b) - a)
+                      for p, a, b in zip(self.params, offsets, offsets[1:]) if max(self.start, a) < min(self.end, b)]
+
+    def _moments(self, p: torch.Tensor, n: int) -> dict:
+        if not self.state[p]:  # torch's Adam layout: a float32 step tensor, moments like (my part of) p
+            self.state[p].update(step=torch.tensor(0.0), exp_avg=p.new_zeros(n), exp_avg_sq=p.new_zeros(n))
+        return self.state[p]
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
-        lr, (beta1, beta2), eps = (self.param_groups[0][k] for k in ("lr", "betas", "eps"))
-        flat = torch.cat([p.reshape(-1) for p in self.params])
-        grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
-        p, g = flat[self.start:self.end], grad[self.start:self.end]
-        self.step_count += 1
-        self.exp_avg.lerp_(g, 1 - beta1)
-        self.exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        bias1, bias2 = 1 - beta1 ** self.step_count, 1 - beta2 ** self.step_count
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(eps)
-        p.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
+        group_of = {p: g for g in self.param_groups for p in g["params"]}
+        mine = []
+        for param, _, lo, hi in self._mine:
+            (beta1, beta2), lr, eps = group_of[param]["betas"], group_of[param]["lr"], group_of[param]["eps"]
+            p = param.reshape(-1)[lo:hi].clone()
+            g = param.grad.reshape(-1)[lo:hi] if param.grad is not None else torch.zeros_like(p)
+            st = self._moments(param, hi - lo)
+            st["step"] += 1
+            step = int(st["step"].item())
+            st["exp_avg"].lerp_(g, 1 - beta1)
+            st["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            bias1, bias2 = 1 - beta1 ** step, 1 - beta2 ** step
+            denom = (st["exp_avg_sq"].sqrt() / math.sqrt(bias2)).add_(eps)
+            mine.append(p.addcdiv_(st["exp_avg"], denom, value=-lr / bias1))
         # Everyone gets everyone's updated slice: padded to equal chunks for the all-gather.
+        like = self.params[0]
         chunk = math.ceil(self.numel / self.world_size)
-        mine = torch.zeros(chunk, dtype=flat.dtype, device=flat.device)
-        mine[:self.end - self.start] = p
-        gathered = torch.empty(chunk * self.world_size, dtype=flat.dtype, device=flat.device)
-        all_gather_single(gathered, mine, group=self.group)
+        padded = torch.zeros(chunk, dtype=like.dtype, device=like.device)
+        if mine:
+            padded[:self.end - self.start] = torch.cat(mine)
+        gathered = torch.empty(chunk * self.world_size, dtype=like.dtype, device=like.device)
+        all_gather_single(gathered, padded, group=self.group)
         offset = 0
         for param in self.params:
             param.copy_(gathered[offset:offset + param.numel()].view_as(param))
             offset += param.numel()
+
+    @property
+    def step_count(self) -> int:
+        return int(self.state[self._mine[0][0]]["step"].item()) if self._mine and self.state[self._mine[0][0]] else 0
+
+    def _flat(self, key: str) -> torch.Tensor:
+        """My slice of one moment, end to end (zeros before the first step)."""
+        return torch.cat([self.state[p][key] if self.state[p] else p.new_zeros(hi - lo)
+                          for p, _, lo, hi in self._mine]) if self._mine else self.params[0].new_zeros(0)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "flat_shard": {"rank": self.rank, "world_size": self.world_size,
+                                                       "start": self.start, "end": self.end, "numel": self.numel}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict.get("flat_shard")
+        here = {"rank": self.rank, "world_size": self.world_size, "start": self.start, "end": self.end,
+                "numel": self.numel}
+        if saved is None:  # a per-parameter state (torch.optim.Adam's, whole tensors): keep my part of each
+            where = {i: (lo, hi) for i, p in enumerate(self.params) for q, _, lo, hi in self._mine if q is p}
+            state = {i: {k: v.reshape(-1)[slice(*where[i])] if torch.is_tensor(v) and v.dim() > 0 else v
+                         for k, v in st.items()} for i, st in state_dict["state"].items() if i in where}
+            state_dict, saved = {**state_dict, "state": state}, here
+        if saved != here:
+            raise ValueError(f"FlatShardedAdam state of rank {saved['rank']} of {saved['world_size']} (elements "
+                             f"[{saved['start']}, {saved['end']}) of {saved['numel']}) cannot load into rank {self.rank} "
+                             f"of {self.world_size} ([{self.start}, {self.end}) of {self.numel}): load this rank's own "
+                             f"file, or reshard every rank's shard_state_dict() with load_shards()")
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "flat_shard"})
 
     def shard_state_dict(self) -> dict:
         """This rank's slice of the moments, with the range it covers, and the hyperparameters
         (the learning rate an LR scheduler has set lives in ``param_groups``, not in the scheduler)."""
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {"step": self.step_count, "start": self.start, "end": self.end, "numel": self.numel,
-                "param_groups": groups, "exp_avg": self.exp_avg.cpu(), "exp_avg_sq": self.exp_avg_sq.cpu()}
+                "param_groups": groups, "exp_avg": self._flat("exp_avg").cpu(), "exp_avg_sq": self._flat("exp_avg_sq").cpu()}
 
     def load_shards(self, shards: list[dict]) -> None:
         """Load the slices saved by *any* number of ranks (every rank passes all of them)."""
         if shards[0]["numel"] != self.numel:
             raise ValueError(f"saved optimizer state covers {shards[0]['numel']} parameters, "
                              f"this model has {self.numel}")
-        self.step_count = shards[0]["step"]
         for group, saved in zip(self.param_groups, shards[0]["param_groups"]):
             group.update(saved)
+        if not shards[0]["step"]:
+            return  # saved before the first step: no moments yet
         for key in ("exp_avg", "exp_avg_sq"):
-            pieces = [(s["start"], s["end"], s[key]) for s in shards]
-            getattr(self, key).copy_(reshard_flat(pieces, self.start, self.end))
+            flat = reshard_flat([(s["start"], s["end"], s[key]) for s in shards], self.start, self.end)
+            for (p, _, lo, hi), piece in zip(self._mine, flat.split([hi - lo for _, _, lo, hi in self._mine])):
+                st = self._moments(p, hi - lo)
+                st[key].copy_(piece)
+                st["step"].fill_(shards[0]["step"])
 
 
 # --------------------------------------------------------------------------- hung peers
