@@ -213,6 +213,15 @@ def torn(meta: dict, rank: int, who: Any) -> str | None:
 
 
 # --------------------------------------------------------------------------- the manager's bench
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable: without it a power loss can forget the new name."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class RunDirectory:
     """A checkpoint directory as one run writes it: the bench under ``CheckpointManager``.
 
@@ -268,6 +277,34 @@ class RunDirectory:
                             f"and the rank there), got {type(state).__name__}")
         self._last_step = step
         return {**state, WRITTEN_BY: {"run": self._run, "step": step, "rank": rank}}
+
+    def _save_step(self, step: int, state: dict, final: Path, write: Callable[[Any, Path], None],
+                   meta_of: Callable[[Path], dict]) -> Path:
+        """The protocol of ``CheckpointManager.save``: every rank ``write``s its stamped ``state`` into
+        ``final``'s staging directory; once all are in, rank 0 writes ``meta.pt``, publishes, fsyncs the
+        directory and prunes (``self._prune``). A failure on any rank raises on every rank. Collective."""
+        self._hold()
+        rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        staging = final.with_name(final.name + ".tmp")
+        state, error = self._stamped(state, step, rank), None  # the run's id, the step and the rank added
+        try:
+            staging.mkdir(parents=True, exist_ok=True)
+            write(state, staging / f"rank{rank}.pt")
+        except Exception as exc:  # every rank hears of it, and raises: no hang
+            error = exc
+        self._together(step, error, staging, "write its file")  # every rank's file is in the staging directory
+        if rank == 0:
+            try:
+                write({"step": step, "world_size": world_size, "run": self._run, "lineage": self._lineage},
+                      staging / "meta.pt")
+                self._publish(staging, final, meta_of)  # replaces only its own
+                fsync_dir(self.directory)
+                self._prune()
+            except Exception as exc:
+                error = exc
+        self._together(step, error, staging, "publish it")  # nobody touches the next step before this one is out
+        return final
 
     def _together(self, step: int, error: Exception | None, staging: Path, what: str) -> None:
         """Raise on every rank of the group if ``error`` is set on any (its own error where it failed), after

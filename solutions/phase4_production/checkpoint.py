@@ -15,24 +15,16 @@ make a checkpoint trustworthy:
 3. **Safe to load.** ``torch.load(..., weights_only=True)``: only tensors and plain
    containers are unpickled, never code from a file whose checksum someone recomputed.
 
-And *complete*: model, optimizer, LR scheduler, the sampler's epoch and position,
-the step, and every random generator a step draws from (torch CPU and CUDA, numpy,
-Python's ``random``). Miss one and the resumed run drifts from the uninterrupted one.
+And *complete*: model, optimizer, LR scheduler, the sampler's position, the step, and every
+random generator a step draws from (torch CPU and CUDA, numpy, Python's ``random``).
 
-On disk, one directory per checkpoint, one file per rank (its RNG, its optimizer
-shard) plus ``meta.pt`` written last::
+On disk: ``ckpt/step_00000010/rank0.pt rank1.pt ... meta.pt``, staged as ``step_00000010.tmp/``
+and renamed once every rank's file is in. ``restore`` resumes from the newest checkpoint that
+verifies and *loads*. A run holds its directory, every rank file carries the run's id and step
+(two runs' files never pass for one checkpoint), and pruning counts and deletes only this run's
+own good checkpoints (``distlab/resume.py``).
 
-    ckpt/step_00000010/rank0.pt rank1.pt ... meta.pt
-
-A step is staged as ``step_00000010.tmp/`` and renamed once every rank's file is in,
-so a half-written step is never picked up. ``restore`` resumes from the newest checkpoint
-that verifies and *loads*, one step back at a time. A run holds its directory (a second
-run is refused), every rank file carries the run's id and step (files of two runs never
-pass for one checkpoint), and pruning keeps the newest ``keep`` of this run's own good
-checkpoints: it never counts, nor deletes, another run's (``distlab/resume.py``).
-
-Cost: no data communication; two all-reduces of W + 2 integers per save. Disk: each rank's state.
-See phase4_production/guidelines.md#crash-safe-checkpoints.
+Cost: two all-reduces of W + 2 integers per save; disk: each rank's state. See guidelines.md#crash-safe-checkpoints.
 """
 from __future__ import annotations
 
@@ -64,15 +56,6 @@ class CheckpointError(ValueError):
     """A checkpoint file that is missing, truncated, corrupted, or not a checkpoint at all."""
 
 
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename durable: without it a power loss can forget the new name.
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # --------------------------------------------------------------------------- files
 def save_file(obj: Any, path: str | Path) -> None:
     """Write ``obj`` (tensors and plain containers) to ``path`` atomically, with a checksum.
@@ -100,7 +83,7 @@ def save_file(obj: Any, path: str | Path) -> None:
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the name points at them
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        resume.fsync_dir(path.parent)
         # ### END SOLUTION 4.1
     except OSError as exc:  # disk full (ENOSPC), quota, I/O error: name the file; what was saved stays
         why = (f"{exc.strerror or exc}: cannot write checkpoint file {path} (no partial file is left; what "
@@ -253,38 +236,14 @@ class CheckpointManager(resume.RunDirectory):
         return self.directory / f"step_{step:08d}"
 
     def save(self, step: int, state: dict) -> Path:
-        """Every rank writes its ``state``; rank 0 then publishes the step atomically and prunes.
-
-        The first save (or ``restore``) takes the directory for this run: another run is refused on
-        every rank. Each rank file carries the run's id, the step and the rank. If a rank cannot write
-        (disk full), every rank raises; nothing is published, and nothing saved before is lost.
+        """Every rank writes its ``state``; rank 0 then publishes the step atomically and prunes. The first
+        save (or ``restore``) takes the directory for this run; if a rank cannot write, every rank raises.
 
         Collective: every rank of ``group`` must call it with the same ``step``.
         Cost: two all-reduces of W + 2 integers (and one broadcast the first time); |state| bytes per rank.
         """
-        self._hold()
-        rank = dist.get_rank(self.group) if dist.is_initialized() else 0
-        world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
-        final = self.step_dir(step)
-        staging = final.with_name(final.name + ".tmp")
-        state, error = self._stamped(state, step, rank), None  # the run's id, the step and the rank added
-        try:
-            staging.mkdir(parents=True, exist_ok=True)
-            save_file(state, staging / f"rank{rank}.pt")
-        except Exception as exc:  # every rank hears of it, and raises: no hang
-            error = exc
-        self._together(step, error, staging, "write its file")  # every rank's file is in the staging directory
-        if rank == 0:
-            try:
-                save_file({"step": step, "world_size": world_size, "run": self._run, "lineage": self._lineage},
-                          staging / "meta.pt")
-                self._publish(staging, final, lambda path: Checkpoint(step, 0, path).meta)  # replaces only its own
-                _fsync_dir(self.directory)
-                self._prune()
-            except Exception as exc:
-                error = exc
-        self._together(step, error, staging, "publish it")  # nobody touches the next step before this one is out
-        return final
+        return self._save_step(step, state, self.step_dir(step), save_file,
+                               lambda path: Checkpoint(step, 0, path).meta)  # distlab/resume.py
 
     def _published(self) -> list[Path]:
         """The complete step directories (not staging ``*.tmp`` ones, nor ones moved aside), oldest first."""
@@ -334,8 +293,7 @@ class CheckpointManager(resume.RunDirectory):
         return next(iter(self.checkpoints()), None)
 
     def restore(self, apply: Callable[[Checkpoint], Any], group: dist.ProcessGroup | None = None) -> Checkpoint | None:
-        """Resume from the newest good checkpoint that ``apply`` loads (else the one before, with a
-        warning), None: start fresh. Takes the directory first (see ``save``), and carries on the lineage
-        of the checkpoint taken. Collective: every rank of ``group``. See ``distlab.resume``."""
+        """Resume from the newest good checkpoint that ``apply`` loads (else the one before, with a warning),
+        None: start fresh; carries on its lineage. Collective: every rank of ``group`` (``distlab.resume``)."""
         self._hold()
         return self._adopt(resume.restore(self, apply, group))
