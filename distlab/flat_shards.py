@@ -12,6 +12,7 @@ Guide: phase3_multi_node/guidelines_ddp_zero.md#zero-3-fsdp.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from typing import Any, Iterable
 
 import torch
@@ -89,6 +90,7 @@ def replace_parameters(model: nn.Module, units: list, owner: Any) -> None:
     ``owner._optimizers``, a WeakSet) and when (it calls ``owner._sample()`` after each step).
     """
     owner._optimizers = weakref.WeakSet()
+    owner._state_names = list(model.state_dict(keep_vars=True))  # the single-process order, for state_dict()
     where = {m: n for n, m in model.named_modules()}
     for u in units:
         if hasattr(u.module, "flat_shard"):
@@ -133,3 +135,76 @@ def guard_optimizers() -> None:
     """Once per process: every torch optimizer's ``step`` checks its parameters (a global step hook)."""
     if not _HOOKS:
         _HOOKS.extend([register_optimizer_step_pre_hook(_before_step), register_optimizer_step_post_hook(_after_step)])
+
+
+# ---------------------------------------------------------------------- torch's names in state dicts
+# ``fsdp.state_dict()`` holds the single-process names, as FSDP2's does, not ``<unit>.flat_shard``:
+# each sharded parameter's value is the part of it this rank's chunk holds (1-D, the parameter's
+# elements [lo, hi) in row-major order; empty if none), so saving and loading need no communication.
+# The state's ``_metadata`` records rank, world size and every [lo, hi) and shape, checked on load.
+# The whole tensors (a *full* state dict) come from fsdp_state.full_state_dict (3.19), a collective.
+
+def _pieces(fsdp: nn.Module) -> dict[str, tuple[Any, int, int, int, tuple[int, ...]]]:
+    """Every sharded parameter's name (tied: each name) -> (unit, start in my chunk, lo, hi, shape)."""
+    out = {}
+    for u in fsdp.units:
+        chunk = u.shard.numel()
+        mine = fsdp.rank * chunk
+        for p, name, start in zip(u.params, u.names, u.offsets):
+            a, b = max(start, mine), min(start + p.numel(), mine + chunk)
+            lo, hi = (a - start, b - start) if a < b else (0, 0)
+            out[name] = (u, start + lo - mine, lo, hi, tuple(p.shape))
+    for alias, name in fsdp.aliases.items():
+        out[alias] = out[name]
+    return out
+
+
+def named_shard_state_dict(fsdp: nn.Module, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
+    """What stays whole (buffers, frozen, replicated) and my part of every sharded parameter, by name."""
+    out = OrderedDict() if destination is None else destination
+    whole = {n: t for n, t in fsdp.module.state_dict(keep_vars=keep_vars).items() if not n.endswith("flat_shard")}
+    pieces = _pieces(fsdp)
+    for name in fsdp._state_names:  # the single-process model's order
+        if name in pieces:
+            u, at, lo, hi, _ = pieces[name]
+            piece = u.shard[at:at + hi - lo]
+            out[prefix + name] = piece if keep_vars else piece.detach()
+        else:
+            out[prefix + name] = whole[name]
+    meta = getattr(out, "_metadata", None)
+    if meta is None:
+        meta = out._metadata = OrderedDict()
+    meta[prefix + "#flat_shards"] = {"rank": fsdp.rank, "world_size": fsdp.world_size,
+                                     "pieces": {n: (lo, hi, shape) for n, (_, _, lo, hi, shape) in pieces.items()}}
+    return out
+
+
+@torch.no_grad()
+def load_named_shard_state_dict(fsdp: nn.Module, state: dict, strict: bool = True):
+    """The inverse of ``named_shard_state_dict`` (same rank, world size and layout: else a ValueError)."""
+    pieces = _pieces(fsdp)
+    here = {n: (lo, hi, shape) for n, (_, _, lo, hi, shape) in pieces.items()}
+    saved = getattr(state, "_metadata", {}).get("#flat_shards")
+    fix = "load the state_dict() this rank saved at this world size"
+    full = "; a full state dict loads with fsdp_state.load_full_state_dict(fsdp, state) (torch: set_model_state_dict " \
+           "with StateDictOptions(full_state_dict=True))"
+    if saved is not None and (saved["rank"], saved["world_size"]) != (fsdp.rank, fsdp.world_size):
+        raise ValueError(f"FSDP state of rank {saved['rank']} of {saved['world_size']} cannot load into rank "
+                         f"{fsdp.rank} of {fsdp.world_size}: {fix}, or save a full one (fsdp_state.full_state_dict)")
+    for name, (u, at, lo, hi, shape) in pieces.items():
+        if name not in state:
+            continue
+        t = state[name]
+        if (saved is not None and tuple(saved["pieces"].get(name, ())) != (lo, hi, shape)) or t.numel() != hi - lo:
+            what = f"{name} has {t.numel()} elements, shape {tuple(t.shape)}; this rank holds elements [{lo}, {hi}) of {shape}"
+            raise ValueError(f"FSDP state: {what}: {fix}" + (full if tuple(t.shape) == shape else ""))
+        u.shard[at:at + hi - lo].copy_(t.reshape(-1))
+    whole = {n: t for n, t in named_shard_state_dict(fsdp, keep_vars=True).items() if n not in pieces}
+    for name, t in whole.items():
+        if name in state:
+            t.detach().copy_(state[name])
+    missing = [n for n in [*whole, *pieces] if n not in state]
+    unexpected = [n for n in state if n not in whole and n not in pieces]
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"FSDP load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+    return nn.modules.module._IncompatibleKeys(missing, unexpected)

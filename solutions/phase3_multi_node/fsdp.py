@@ -34,10 +34,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distlab.comm import all_gather_single, reduce_scatter_single
-from distlab.flat_shards import (cast_floating, default_units, keep_full_precision, replace_parameters,
-                                 replicated_parameters)
+from distlab.flat_shards import (cast_floating, default_units, keep_full_precision, load_named_shard_state_dict,
+                                 named_shard_state_dict, replace_parameters, replicated_parameters)
 from distlab.meters import MemoryMeter, OverlapMeter, nbytes
-from distlab.sync import allreduce_gradients, broadcast_module, group_root
+from distlab.sync import NoSyncMixin, allreduce_gradients, broadcast_module, group_root
 
 
 @dataclass(eq=False)
@@ -52,6 +52,7 @@ class Unit:
     shard: nn.Parameter           # my chunk of it, in fp32: ``module.flat_shard``, what the optimizer updates
     ready: set[int] = field(default_factory=set)
     grad_full: torch.Tensor | None = None   # fp32 full gradient: from the end of u's backward to its reduce-scatter
+    grad_acc: torch.Tensor | None = None    # fp32 full gradient summed by backwards without sync (no_sync())
     handle: tuple[dist.Work, torch.Tensor] | None = None
     gather: dist.Work | None = None         # an all-gather in flight into `full`
 
@@ -67,7 +68,7 @@ def alloc_storage(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(t.numel() * t.element_size())
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(NoSyncMixin, nn.Module):
     """ZeRO-3: parameters, gradients and optimizer state sharded over ``group``.
 
     Args:
@@ -83,6 +84,11 @@ class FullyShardedDataParallel(nn.Module):
             frozen or replicated parameters run in those parameters' dtype (inputs cast, outputs back).
         prefetch: units gathered ahead in backward; max_in_flight: reduce-scatters in flight; group: None: WORLD.
 
+    ``state_dict()`` holds the single-process names (my part of each sharded parameter; whole
+    tensors: ``fsdp_state.full_state_dict``). Inside ``no_sync()`` (or after
+    ``set_requires_gradient_sync(False)``, FSDP2's spelling) backwards skip the reduce-scatters
+    and sum each unit's full fp32 gradient locally (+|params| bytes); the next synced backward
+    reduce-scatters that sum with its own gradients.
     After backward (backwards accumulate, as in torch): ``flat_shard.grad`` is my chunk of the
     unit's flattened mean gradient over ranks, shaped like the shard (zeros in the padding), in
     its dtype (fp32; fp64 models: fp64); a replicated parameter's ``.grad`` is its whole mean
@@ -163,7 +169,7 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------ bookkeeping (pre-written)
     def _sample(self) -> None:
         held = self.memory_bytes()
-        held["grads"] += sum(nbytes(g) for u in self.units for g in [u.grad_full, *(p.grad for p in u.params)])
+        held["grads"] += sum(nbytes(g) for u in self.units for g in [u.grad_full, u.grad_acc, *(p.grad for p in u.params)])
         self.memory.sample(**held)
         self.max_gathered = max(self.max_gathered, sum(u.is_gathered() for u in self.units))
 
@@ -212,9 +218,17 @@ class FullyShardedDataParallel(nn.Module):
         u.ready.add(j)  # p.grad stays where autograd put it (p's shape and dtype) until u's backward is over
         if len(u.ready) == len(u.params):
             self._collect(u)
-            self._completed.append(self.units.index(u))
-        self._launch_ready()
+            if not self.require_sync:  # no_sync(): keep the full gradient, summed locally
+                self._stash(u)
+            else:
+                self._completed.append(self.units.index(u))
+        if self.require_sync:
+            self._launch_ready()
         self._sample()
+
+    def _stash(self, u: Unit) -> None:  # after _collect(u), in a backward without sync
+        u.grad_acc = u.grad_full if u.grad_acc is None else u.grad_acc.add_(u.grad_full)
+        u.grad_full = None
 
     def _collect(self, u: Unit) -> None:  # u's backward (with unused parameters: the whole one) is over
         # ### BEGIN SOLUTION 3.18a: collect gradients into the unit's flat fp32 buffer [guidelines_ddp_zero.md#zero-3-fsdp]
@@ -239,6 +253,8 @@ class FullyShardedDataParallel(nn.Module):
                 return
             if u.grad_full is None:  # incomplete on this rank (unused parameters): what arrived, zeros for the rest
                 self._collect(u)
+            if u.grad_acc is not None:  # what backwards inside no_sync() summed: reduce-scattered now, once
+                u.grad_full, u.grad_acc = u.grad_full.add_(u.grad_acc), None
             while len(flying := [v for v in self._order if v.handle]) >= self.max_in_flight:
                 self._retire(flying[0])  # bound the full gradients alive: wait for the oldest
             # ### BEGIN SOLUTION 3.18b: reduce-scatter a unit's gradient [guidelines_ddp_zero.md#zero-3-fsdp]
@@ -262,6 +278,16 @@ class FullyShardedDataParallel(nn.Module):
         u.grad_full, u.handle = None, None
 
     def _end_backward(self) -> None:
+        if not self.require_sync:  # no_sync(): no communication; units left incomplete keep what arrived
+            for u in self.units:
+                if u.ready and len(u.ready) < len(u.params):
+                    self._collect(u)
+                    self._stash(u)
+                u.ready = set()
+                self._reshard(u)
+            self._completed, self._in_backward = [], False
+            self._sample()
+            return
         self._launch_ready(force=True)  # units with unused parameters: what is missing is zero
         for u in self._order:
             if u.handle:
@@ -283,6 +309,15 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------ training API
     def forward(self, *args, **kwargs):  # floating inputs meet the gathered weights in their dtype
         return self.module(*cast_floating(args, self.compute_dtype), **cast_floating(kwargs, self.compute_dtype))
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        self.require_sync = bool(requires_gradient_sync)  # FSDP2's name for leaving no_sync()
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        return named_shard_state_dict(self, destination, prefix, keep_vars)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return load_named_shard_state_dict(self, state_dict, strict)
 
     def step(self) -> None:  # with optimizer_cls (zero_grad is nn.Module's: it clears every .grad)
         if self.optimizer is None:

@@ -36,12 +36,14 @@ def _unsharded(fsdp: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def full_state_dict(fsdp: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter (full, master dtype) and buffer by name, on every rank.
+def full_state_dict(fsdp: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter (full, master dtype) and buffer by name, on every rank (``rank0_only``: on
+    group rank 0, ``{}`` elsewhere, as FSDP1's ``FullStateDictConfig(rank0_only=True)``).
 
     Equivalent to: ``model.state_dict()`` of the single-process model (fp32 masters).
     Collective: every rank of ``fsdp.group`` calls it. Cost: Psi (W-1)/W bytes per rank.
     """
+    drop = rank0_only and fsdp.rank != 0  # gathered unit by unit everywhere, kept on rank 0 only
     state = {n: t.detach().clone() for n, t in _unsharded(fsdp).items()}
     for u in fsdp.units:
         # ### BEGIN SOLUTION 3.19a: gather a full state dict [guidelines_ddp_zero.md#state-dicts]
@@ -53,6 +55,11 @@ def full_state_dict(fsdp: nn.Module) -> dict[str, torch.Tensor]:
         for p, name, start in zip(u.params, u.names, u.offsets):
             state[name] = flat[start:start + p.numel()].view(p.shape).clone()
         # ### END SOLUTION 3.19a
+        if drop:  # one unit at a time, never the whole model, on the other ranks
+            for name in u.names:
+                state.pop(name, None)
+    if drop:
+        return {}
     for alias, name in fsdp.aliases.items():
         state[alias] = state[name]  # a tied weight under its second name
     return state
