@@ -103,6 +103,33 @@ def check_sharded_state(saved: dict, rank: int, world_size: int, layout: list[di
 
 
 @torch.no_grad()
+def consolidated_state_dict(inner: dict, buckets: list[FlatBucket], index: dict[nn.Parameter, int],
+                            given: list[list[nn.Parameter]], to: int, group=None) -> dict | None:
+    """On group rank ``to``: the state_dict a torch optimizer on ``given`` (its parameter groups, in
+    order) would have, built from every rank's ``inner`` (the state_dict of the optimizer on the
+    chunks); None elsewhere. Collective: every rank of ``group``, after the same steps."""
+    state = gather_flat_state(inner, buckets, index, to, group)
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in ps]}
+              for g, ps in zip(inner["param_groups"], given)]
+    return None if state is None else {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def chunk_state_dict(state_dict: dict, buckets: list[FlatBucket], index: dict[nn.Parameter, int],
+                     given: list[list[nn.Parameter]], inner_groups: list[dict]) -> dict:
+    """The inverse, on every rank, without communication: from a per-parameter ``state_dict``, the
+    state_dict of the optimizer on the chunks (its ``inner_groups``)."""
+    saved = [len(g["params"]) for g in state_dict["param_groups"]]
+    if saved != [len(ps) for ps in given]:
+        raise ValueError(f"optimizer state has groups of {saved} parameters, this optimizer "
+                         f"{[len(ps) for ps in given]}: build it on the same parameters")
+    names = {p: f"parameter {i}" for p, i in index.items()}
+    starts = [0, *itertools.accumulate(len(g["params"]) for g in inner_groups)]
+    return {"state": shard_flat_state(state_dict["state"], buckets, index, names),
+            "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": list(range(a, b))}
+                             for g, a, b in zip(state_dict["param_groups"], starts, starts[1:])]}
+
+
+@torch.no_grad()
 def gather_flat_state(inner: dict, buckets: list[FlatBucket], index: dict[nn.Parameter, int], to: int,
                       group=None) -> dict[int, dict] | None:
     """Per-parameter state (torch's format, on the CPU) on group rank ``to``; None elsewhere.

@@ -11,13 +11,62 @@ Guide: phase3_multi_node/guidelines_ddp_zero.md#zero-3-fsdp.
 """
 from __future__ import annotations
 
+import itertools
+import math
 import weakref
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+
+@dataclass(eq=False)
+class Unit:
+    """One module's trainable parameters, sharded: a fp32 chunk at rest, a full flat buffer in use."""
+
+    module: nn.Module
+    params: list[nn.Parameter]
+    names: list[str]
+    offsets: list[int]
+    full: torch.Tensor            # padded flat buffer (compute dtype); the params are views into it
+    shard: nn.Parameter           # my chunk of it, in fp32: ``module.flat_shard``, what the optimizer updates
+    ready: set[int] = field(default_factory=set)
+    grad_full: torch.Tensor | None = None   # fp32 full gradient: from the end of u's backward to its reduce-scatter
+    grad_acc: torch.Tensor | None = None    # fp32 full gradient summed by backwards without sync (no_sync())
+    handle: tuple[dist.Work, torch.Tensor] | None = None
+    gather: dist.Work | None = None         # an all-gather in flight into `full`
+
+    def is_gathered(self) -> bool:  # the storage is resized to 0 when freed
+        return self.full.untyped_storage().size() > 0
+
+
+def free_storage(t: torch.Tensor) -> None:  # keeps t (and views of it) for a later alloc_storage
+    t.untyped_storage().resize_(0)
+
+
+def alloc_storage(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+def shard_unit(module: nn.Module, params: list[nn.Parameter], names: list[str], rank: int, world_size: int,
+               compute_dtype: torch.dtype | None) -> Unit:
+    """``params`` packed into a padded flat buffer: my chunk copied out in fp32 (fp64 stays fp64) as the
+    unit's ``shard``; the params become views of a ``full`` buffer in the compute dtype (not yet filled)."""
+    offsets = [0, *itertools.accumulate(p.numel() for p in params)]
+    padded = math.ceil(offsets[-1] / world_size) * world_size
+    chunk, master = padded // world_size, torch.float64 if params[0].dtype == torch.float64 else torch.float32
+    flat = torch.zeros(padded, dtype=master, device=params[0].device)
+    with torch.no_grad():
+        for p, start in zip(params, offsets):
+            flat[start:start + p.numel()].copy_(p.reshape(-1))
+    shard = nn.Parameter(flat[rank * chunk:(rank + 1) * chunk].clone())
+    full = torch.empty(padded, dtype=compute_dtype or params[0].dtype, device=params[0].device)
+    for p, start in zip(params, offsets):
+        p.data = full[start:start + p.numel()].view_as(p)
+    return Unit(module, params, names, offsets[:-1], full, shard)
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:

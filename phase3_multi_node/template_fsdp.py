@@ -20,15 +20,13 @@ At rest everything is 1/W ((2 + 2 + K) Psi / W, mixed-precision Adam, Rajbhandar
 2020); per step two all-gathers and a reduce-scatter: 3 Psi (W-1)/W bytes per rank, 1.5x DDP.
 Flat chunks per unit (FSDP1), not per-parameter shards (FSDP2): one collective per unit, no
 copies, the lesson here; but the optimizer sees no names or shapes (groups by name: ``replicate``).
-Plumbing: distlab/flat_shards.py; guide: phase3_multi_node/guidelines_ddp_zero.md#zero-3-fsdp.
+Plumbing (the ``Unit`` record, sharding, storage, state dicts): distlab/flat_shards.py;
+guide: phase3_multi_node/guidelines_ddp_zero.md#zero-3-fsdp.
 
 Run: ``RUN_MODE=zero ./entrypoint.sh --stage 3 [--compute-dtype bfloat16]`` (demos/zero.py).
 """
 from __future__ import annotations
 
-import itertools
-import math
-from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
@@ -36,39 +34,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distlab.comm import all_gather_single, reduce_scatter_single
-from distlab.flat_shards import (cast_floating, default_units, keep_full_precision, load_named_shard_state_dict,
-                                 named_shard_state_dict, replace_parameters, replicated_parameters)
+from distlab.flat_shards import (Unit, alloc_storage, cast_floating, default_units, free_storage, keep_full_precision,
+                                 load_named_shard_state_dict, named_shard_state_dict, replace_parameters,
+                                 replicated_parameters, shard_unit)
 from distlab.meters import MemoryMeter, OverlapMeter, nbytes
 from distlab.sync import NoSyncMixin, allreduce_gradients, broadcast_module, group_root
 from distlab.todo import todo
-
-
-@dataclass(eq=False)
-class Unit:
-    """One module's trainable parameters, sharded: a fp32 chunk at rest, a full flat buffer in use."""
-
-    module: nn.Module
-    params: list[nn.Parameter]
-    names: list[str]
-    offsets: list[int]
-    full: torch.Tensor            # padded flat buffer (compute dtype); the params are views into it
-    shard: nn.Parameter           # my chunk of it, in fp32: ``module.flat_shard``, what the optimizer updates
-    ready: set[int] = field(default_factory=set)
-    grad_full: torch.Tensor | None = None   # fp32 full gradient: from the end of u's backward to its reduce-scatter
-    grad_acc: torch.Tensor | None = None    # fp32 full gradient summed by backwards without sync (no_sync())
-    handle: tuple[dist.Work, torch.Tensor] | None = None
-    gather: dist.Work | None = None         # an all-gather in flight into `full`
-
-    def is_gathered(self) -> bool:  # the storage is resized to 0 when freed
-        return self.full.untyped_storage().size() > 0
-
-
-def free_storage(t: torch.Tensor) -> None:  # keeps t (and views of it) for a later alloc_storage
-    t.untyped_storage().resize_(0)
-
-
-def alloc_storage(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(t.numel() * t.element_size())
 
 
 class FullyShardedDataParallel(NoSyncMixin, nn.Module):
@@ -130,7 +101,8 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         for module in [*units, model]:  # the root last: it keeps what no single unit owns
             mine = [p for p, us in owners.items() if (us == [module]) or (module is model and len(us) != 1)]
             if mine:
-                self.units.append(self._shard(module, mine, [names[p] for p in mine], compute_dtype))
+                self.units.append(shard_unit(module, mine, [names[p] for p in mine], self.rank, self.world_size,
+                                             compute_dtype))
         if not self.units:
             raise ValueError("nothing to shard: every parameter is frozen or in replicate")
         sharded = {p for u in self.units for p in u.params}
@@ -153,21 +125,6 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         for p in self.replicated:  # reduced when the backward ends, which this makes sure is noticed
             p.register_post_accumulate_grad_hook(lambda p: self._begin_backward())
         self.optimizer = optimizer_cls(self.parameters(), **optim_kwargs) if optimizer_cls else None
-
-    def _shard(self, module: nn.Module, params: list[nn.Parameter], names: list[str],
-               compute_dtype: torch.dtype | None) -> Unit:
-        offsets = [0, *itertools.accumulate(p.numel() for p in params)]
-        padded = math.ceil(offsets[-1] / self.world_size) * self.world_size
-        chunk, master = padded // self.world_size, torch.float64 if params[0].dtype == torch.float64 else torch.float32
-        flat = torch.zeros(padded, dtype=master, device=params[0].device)
-        with torch.no_grad():
-            for p, start in zip(params, offsets):
-                flat[start:start + p.numel()].copy_(p.reshape(-1))
-        shard = nn.Parameter(flat[self.rank * chunk:(self.rank + 1) * chunk].clone())
-        full = torch.empty(padded, dtype=compute_dtype or params[0].dtype, device=params[0].device)
-        for p, start in zip(params, offsets):
-            p.data = full[start:start + p.numel()].view_as(p)
-        return Unit(module, params, names, offsets[:-1], full, shard)
 
     # ------------------------------------------------------------------ bookkeeping (pre-written)
     def _sample(self) -> None:

@@ -42,7 +42,6 @@ Run: ``RUN_MODE=zero ./entrypoint.sh --stage 2`` (demos/zero.py; stage 3 is fsdp
 from __future__ import annotations
 
 import copy
-import itertools
 from typing import Any
 
 import torch
@@ -50,8 +49,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distlab.comm import all_gather_single, reduce_scatter_single
-from distlab.flat_buckets import (bucket_layout, check_sharded_state, gather_flat_state, group_params,
-                                  make_flat_bucket, shard_flat_state)
+from distlab.flat_buckets import (bucket_layout, check_sharded_state, chunk_state_dict, consolidated_state_dict,
+                                  group_params, make_flat_bucket)
 from distlab.meters import MemoryMeter, OverlapMeter, nbytes
 from distlab.offload import OffloadedShards
 from distlab.sync import broadcast_tensors
@@ -73,10 +72,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         **defaults: passed to ``optimizer_class`` (lr, weight_decay, ...).
 
     ``param_groups``/``state`` are the inner optimizer's (my chunks): LR schedulers work.
-    ``state_dict()`` is this rank's chunk state with its rank, world size and layout (a load checks
-    them); after ``consolidate_state_dict(to=0)`` (every rank) rank 0's is torch's per-parameter
-    format, which loads at any world size and into a plain torch optimizer (torch's
-    ZeroRedundancyOptimizer has only that one, and raises without the consolidation).
+    ``state_dict()``: my chunks' state with rank, world size and layout (checked on load); after
+    ``consolidate_state_dict(to=0)`` rank 0's is torch's per-parameter format (ZeroRedundancyOptimizer's
+    only one), which loads at any world size and into a plain torch optimizer.
     Equivalent to: DDP + ``optimizer_class(params, **defaults)``; stage 1 is
     ``torch.distributed.optim.ZeroRedundancyOptimizer`` with flat (balanced) shards.
     Collective: construction, ``step`` (and with stage 2 every backward) on all ranks.
@@ -94,9 +92,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         groups = groups if groups and isinstance(groups[0], dict) else [{"params": groups}]
         groups = [{**g, "params": list(g["params"])} for g in groups]
         # torch's indexing of the parameters in a state_dict: in the order given, frozen ones included
-        self._given = [g["params"] for g in groups]
+        self._given, self._consolidated = [g["params"] for g in groups], None
         self._index = {p: i for i, p in enumerate(p for g in groups for p in g["params"])}
-        self._consolidated: dict[str, Any] | None = None
         self.stage, self.group, self.max_in_flight = stage, group, max(1, max_in_flight)
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.buckets, inner_groups = [], []
@@ -119,6 +116,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         super().__init__(self.optimizer.param_groups, self.optimizer.defaults)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state  # one source
         self._where = {p: (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
+        self._layout = bucket_layout(self.buckets, self._index)  # what a sharded state_dict is valid in
         self.memory, self.overlap = MemoryMeter(), OverlapMeter()
         if stage == 1:
             # Gradients live in flat buffers too: autograd accumulates into these views in place.
@@ -247,36 +245,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
         torch's format; otherwise this rank's chunk state, with ``"zero"``: rank, world size, layout."""
         if self._consolidated is not None:
             return self._consolidated
-        meta = {"rank": self.rank, "world_size": self.world_size, "stage": self.stage,
-                "layout": bucket_layout(self.buckets, self._index)}
-        return {**self.optimizer.state_dict(), "zero": meta}
+        meta = dict(rank=self.rank, world_size=self.world_size, stage=self.stage, layout=self._layout)
+        return {**self.optimizer.state_dict(), "zero": meta}  # live tensors, as torch's state_dict()
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's chunk state on group rank ``to``, whose next ``state_dict()`` returns it
         per parameter (torch's format, on the CPU), as torch's ``ZeroRedundancyOptimizer`` does.
         Collective: every rank of ``group``. Cost: K Psi (W-1)/W bytes into ``to``."""
-        inner = self.optimizer.state_dict()
-        state = gather_flat_state(inner, self.buckets, self._index, to, self.group)
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [self._index[p] for p in given]}
-                  for g, given in zip(inner["param_groups"], self._given)]
-        self._consolidated = None if state is None else {"state": dict(sorted(state.items())), "param_groups": groups}
+        self._consolidated = consolidated_state_dict(self.optimizer.state_dict(), self.buckets, self._index,
+                                                     self._given, to, self.group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # after the model's (offload: copied)
         """A sharded state (checked: same rank, world size and layout, else a ValueError saying what
         differs) or a per-parameter one (consolidated, or any torch optimizer's on the same parameters)."""
         if "zero" in state_dict:
-            check_sharded_state(state_dict["zero"], self.rank, self.world_size, bucket_layout(self.buckets, self._index))
+            check_sharded_state(state_dict["zero"], self.rank, self.world_size, self._layout)
             inner = {k: v for k, v in state_dict.items() if k != "zero"}
-        else:
-            saved = state_dict["param_groups"]
-            if [len(g["params"]) for g in saved] != [len(given) for given in self._given]:
-                raise ValueError(f"optimizer state has groups of {[len(g['params']) for g in saved]} parameters, this "
-                                 f"optimizer {[len(given) for given in self._given]}: build it on the same parameters")
-            names = {p: f"parameter {i}" for p, i in self._index.items()}
-            starts = [0, *itertools.accumulate(len(g["params"]) for g in self.optimizer.param_groups)]
-            inner = {"state": shard_flat_state(state_dict["state"], self.buckets, self._index, names),
-                     "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": list(range(a, b))}
-                                      for g, a, b in zip(saved, starts, starts[1:])]}
+        else:  # my chunks of every parameter's state
+            inner = chunk_state_dict(state_dict, self.buckets, self._index, self._given, self.optimizer.param_groups)
         self.optimizer.load_state_dict(inner)
         # torch's load_state_dict gives the inner optimizer new param_groups and state objects:
         # point at them again, or an LR scheduler on this optimizer stops reaching the inner one.
@@ -292,13 +278,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return {"params": params, "grads": grads, "optimizer": 0, "offloaded": self._offloaded.nbytes() + state}
         return {"params": params, "grads": grads, "optimizer": state}
 
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """This rank's chunk state with its rank, world size and layout: a snapshot, not live tensors."""
+    def sharded_state_dict(self) -> dict[str, Any]:  # a snapshot of this rank's chunk state, with its layout
         consolidated, self._consolidated = self._consolidated, None
-        try:
-            return copy.deepcopy(self.state_dict())
-        finally:
-            self._consolidated = consolidated
+        state, self._consolidated = copy.deepcopy(self.state_dict()), consolidated
+        return state
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         self.load_state_dict(state)
