@@ -461,6 +461,50 @@ def test_zero3_unit_with_unused_parameters_matches_single_process():
     run_distributed(_worker_zero3_unused, 2)
 
 
+def _worker_zero3_frees(rank, world_size):
+    """ZeRO-3's memory lesson, by itself: a unit's full parameters live only while the unit computes."""
+    fsdp = _zero(3, seeded(Deep, 0).double())  # 7 units of 72 + 27 parameters, no root unit
+    units = fsdp.units
+    arrived: dict[int, int] = {}
+    still_gathered: list[str] = []
+
+    def last_grad_check(p, i):  # registered after the wrapper's hook on p: runs right after it
+        arrived[i] = arrived.get(i, 0) + 1
+        if arrived[i] == len(units[i].params) and units[i].full.untyped_storage().size() > 0:
+            still_gathered.append(f"unit {i} ({units[i].names[0]}, ...)")
+
+    for i, u in enumerate(units):
+        for p in u.params:
+            p.register_post_accumulate_grad_hook(lambda p, i=i: last_grad_check(p, i))
+    opt = _adamw(fsdp)
+    g = torch.Generator().manual_seed(3)
+    for step in range(2):  # the second backward runs in the order the first recorded
+        what = f"rank {rank}, ZeRO-3, Deep, step {step}"
+        x, y = torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randint(3, (8,), generator=g)
+        arrived.clear()
+        opt.zero_grad()
+        out = fsdp(shard(x, rank, world_size))
+        gathered = [i for i, u in enumerate(units) if u.full.untyped_storage().size() > 0]
+        assert not gathered, f"{what}: units {gathered} still hold their full parameters after the forward"
+        _loss(out, shard(y, rank, world_size)).backward()
+        assert not still_gathered, (
+            f"{what}: {still_gathered[0]} still held its gathered full parameters when its last gradient arrived "
+            f"({len(still_gathered)} unit(s) in all): free them (self._reshard(u)) as soon as a unit's backward is over")
+        opt.step()
+    # The wrapper's meter agrees: the unit in backward + one prefetched, never the whole model.
+    sizes = [u.full.numel() * 8 for u in units]
+    shards = sum(sizes) // world_size
+    peak = fsdp.memory.peak["params"]
+    assert fsdp.max_gathered <= 2 and peak <= shards + 2 * max(sizes), \
+        f"rank {rank}: {fsdp.max_gathered} of {len(units)} units gathered at once, parameter peak {peak} B " \
+        f"(chunks {shards} B + 2 x largest unit {max(sizes)} B allowed)"
+
+
+@pytest.mark.exercise("3.17-3.18 ZeRO-3")
+def test_zero3_frees_each_unit_after_its_backward():
+    run_distributed(_worker_zero3_frees, 2)
+
+
 def _bf16_model(kind: str, seed: int) -> nn.Module:
     if kind == "mlp":
         return seeded(ToyMLP, seed, 6, 10, 3)
