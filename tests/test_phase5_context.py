@@ -93,6 +93,53 @@ def test_merged_block_partials_match_softmax_over_all_keys():
                          "merged log-sum-exp", **TOL)
 
 
+def _large_scores(seq_len: int, scale: float) -> list[torch.Tensor]:
+    """Q, K, V (float64) whose scores are ~ +100 on even query rows and ~ -100 on odd ones (+- a few):
+    every key shares a component of 10 along dim 0, each query has +-100 / (10 scale) there."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(B, H, seq_len, D, generator=g, dtype=torch.float64) for _ in range(3))
+    sign = 1 - 2 * (torch.arange(seq_len) % 2)
+    q[..., 0] = sign * 100 / (10 * scale)
+    k[..., 0] = 10 + 0.1 * torch.randn(B, H, seq_len, generator=g, dtype=torch.float64)
+    return [q, k, v]
+
+
+@pytest.mark.exercise("5.2 online-softmax merge")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_merge_at_large_logits_matches_float64_softmax(dtype):
+    """Scores of +-100: exp(lse) overflows fp32 and bf16 (exp(89) = inf) or underflows (exp(-104) = 0), so
+    only a merge that exponentiates differences of log-sum-exps stays finite and accurate."""
+    ring = load(PHASE, "ring_attention")
+    scale = D ** -0.5
+    q, k, v = _large_scores(9, scale)
+    q, k, v = (t.to(dtype).double() for t in (q, k, v))  # rounded to dtype: the reference sees the same inputs
+    q = q[:, :, 2:7]
+    pos_q, pos_k = torch.arange(2, 7), torch.arange(9)
+    mask = pos_q[:, None] >= pos_k[None, :]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    want_lse = torch.logsumexp((q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf")), -1)
+    assert want_lse[..., 0::2].min() > 90 and want_lse[..., 1::2].max() < -90, "test setup: lse must be ~ +-100"
+    out = lse = None
+    for cols in (slice(0, 3), slice(3, 6), slice(6, 9)):  # queries 2, 3 see no key of the last block: lse -inf
+        if dtype == torch.float32:  # the whole block in fp32
+            block = ring.block_attention(*(t.float() for t in (q, k[:, :, cols], v[:, :, cols])), pos_q, pos_k[cols], scale)
+            block_out, block_lse = block[0], block[1]
+        else:  # exact partials, outputs stored in bf16 and log-sum-exps in fp32, as FlashAttention keeps them
+            block_out, block_lse, _ = ring.block_attention(q, k[:, :, cols], v[:, :, cols], pos_q, pos_k[cols], scale)
+            block_out, block_lse = block_out.bfloat16(), block_lse.float()
+        out, lse = (block_out, block_lse) if out is None else ring.merge_partials(out, lse, block_out, block_lse)
+    what = f"{str(dtype).removeprefix('torch.')} merge at scores ~ +-100"
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all(), (
+        f"{what}: the merged output holds inf/nan ({(~torch.isfinite(out)).sum().item()} values): exp of a raw "
+        f"log-sum-exp overflows (exp(100) > {torch.finfo(dtype).max:.1e}); exponentiate lse - new_lse only")
+    # fp32: scores of ~100 carry ~1e-5 absolute rounding, so the softmax weights ~1e-5 relative.
+    # bf16: each partial output is rounded to 8 bits (2^-9 relative, |v| < 4): ~1e-2 absolute.
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
+    assert_tensors_close(out.double(), want, f"{what}: merged output vs float64 softmax over all keys", **tol)
+    # lse ~ 100 in fp32: 2^-24 x 100 ~ 1e-5 per rounding.
+    assert_tensors_close(lse.double(), want_lse, f"{what}: merged log-sum-exp", rtol=1e-5, atol=1e-4)
+
+
 # --------------------------------------------------------------------------- 5.2-5.3 ring attention
 def _expected_ring_bytes(layout, rank: int, elem: int) -> tuple[int, int, int]:
     """(sent forward, sent in all, received in all) by ``rank``. Forward sends the K/V of W-1
