@@ -136,3 +136,36 @@ def reference_prerequisites(module, phase: str, names: list[str]):
     for name in names:
         setattr(module, name, getattr(ref, name))
     return module
+
+
+class explain_group_errors:
+    """Context manager: the code under test, called with a process ``group``, fails in one line that names
+    a global rank used as a group rank (or the reverse), instead of a bare ``IndexError``.
+
+    ``x.chunk(dist.get_world_size(group))[dist.get_rank()]`` fails only where the global rank is past the
+    group's size, as "tuple index out of range"; torch's ``src``/``dst`` inside a group are global ranks,
+    and a group rank there fails as "Global rank 1 is not part of group". Both are re-raised as an
+    AssertionError with the hint (the original chained); other errors pass unchanged. The message is the
+    bench's, not the learner's: wrap only calls whose ``group`` is a subgroup.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, what: str) -> None:
+        self.group, self.what = group, what
+
+    def __enter__(self) -> "explain_group_errors":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is None or self.group is None or not isinstance(exc, (IndexError, ValueError)):
+            return False
+        rank, size = dist.get_rank(), dist.get_world_size(self.group)
+        members = dist.get_process_group_ranks(self.group)
+        if isinstance(exc, IndexError) and rank >= size:
+            hint = (f"used the global rank {rank} on a group of size {size} (global ranks {members}, this rank is "
+                    f"its rank {members.index(rank)}): use dist.get_rank(group)")
+        elif isinstance(exc, ValueError) and "is not part of group" in str(exc):
+            hint = (f"a group rank passed where torch wants a global rank (src/dst inside a group of global ranks "
+                    f"{members}): use dist.get_global_rank(group, group_rank)")
+        else:
+            return False
+        raise AssertionError(f"{self.what}: {type(exc).__name__}: {exc}: {hint}") from exc

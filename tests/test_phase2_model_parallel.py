@@ -22,7 +22,7 @@ from distlab import load, p2p
 from distlab.comm import CommLedger
 from distlab.launch import run_distributed
 from distlab.models import MLP, Block, CausalSelfAttention, GPTConfig, TinyGPT, seeded
-from distlab.testing import assert_tensors_close
+from distlab.testing import assert_tensors_close, explain_group_errors
 
 PHASE = "phase2_advanced"
 WORLD_SIZES = [1, 2, 3, 4]
@@ -68,12 +68,15 @@ def _worker_tp_primitives(rank, world_size, bench=False):
     # bench: distlab.tp, the reference copy that template_tensor_parallel.py builds on (2.17-2.20).
     tp = importlib.import_module("distlab.tp") if bench else load(PHASE, "tp_primitives")
     _check_tp_primitives(tp, rank, list(range(world_size)), None)
-    if world_size == 4:
-        # On subgroups whose ranks differ from the global ones ({0, 2} and {1, 3}: global rank 2 is
-        # rank 1 of its group): a primitive that uses the global rank or WORLD is wrong here only.
-        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-        members = [0, 2] if rank % 2 == 0 else [1, 3]
-        _check_tp_primitives(tp, rank, members, groups[rank % 2])
+    if world_size in (3, 4):
+        # On subgroups of 2 whose ranks differ from the global ones (W=3: {1, 2}, rank 0 idle; W=4:
+        # {0, 2} and {1, 3}): a primitive that uses the global rank or WORLD is wrong here only.
+        layout = [[1, 2]] if world_size == 3 else [[0, 2], [1, 3]]
+        groups = [dist.new_group(members) for members in layout]  # collective: every rank creates every group
+        for members, group in zip(layout, groups):
+            if rank in members:
+                _check_tp_primitives(tp, rank, members, group)
+        dist.barrier()  # an idle rank waits for the groups' ranks before the world is torn down
 
 
 def _check_tp_primitives(tp, rank, members, group):
@@ -88,11 +91,28 @@ def _check_tp_primitives(tp, rank, members, group):
     def run(fn, x, g):
         x = x.clone().requires_grad_()
         fwd, bwd = CommLedger(), CommLedger()
-        with fwd:
+        name = f"{where}, W={W}, {fn.__name__}"
+        with fwd, explain_group_errors(group, f"{name} forward"):
             y = fn(x, group)
-        with bwd:
+        if y.shape != g.shape:  # before backward: autograd would only say "Mismatch in shape"
+            world = dist.get_world_size()
+            hint = f": split or gathered over the world size {world}, not the group's {W}: use " \
+                   f"dist.get_world_size(group)" if group is not None and world != W else ""
+            raise AssertionError(f"{name} forward: output shape {tuple(y.shape)}, expected {tuple(g.shape)}{hint}")
+        with bwd, explain_group_errors(group, f"{name} backward"):
             y.backward(g)
         return y.detach(), x.grad, fwd, bwd
+
+    def own_slice(got, full, what):  # this rank's place in the group, not its global rank nor WORLD's split
+        want = full.chunk(W, -1)[me]
+        world = dist.get_world_size()
+        if got.shape != want.shape and world != W and got.shape == full.chunk(world, -1)[0].shape:
+            raise AssertionError(f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}: split over the "
+                                 f"world size {world}, not the group's {W}: use dist.get_world_size(group)")
+        if rank != me and rank < W and torch.equal(got, full.chunk(W, -1)[rank]):
+            raise AssertionError(f"{what}: the slice of group rank {rank}, expected {me}'s: used the global rank "
+                                 f"{rank} on a group where this rank is {me}: use dist.get_rank(group)")
+        assert_tensors_close(got, want, what, **EXACT)
 
     # copy_to_region: identity forward, gradient summed over ranks.
     y, gx, fwd, bwd = run(tp.copy_to_region, xs[me], gs[me])
@@ -115,7 +135,7 @@ def _check_tp_primitives(tp, rank, members, group):
     y, gx, fwd, bwd = run(tp.gather_from_region, xs[me], g_full)
     what = f"{where}, W={W}, gather_from_region"
     assert_tensors_close(y, torch.cat(xs, -1), f"{what} forward (concatenation in rank order)", **EXACT)
-    assert_tensors_close(gx, g_full.chunk(W, -1)[me], f"{what} backward (own slice)", **EXACT)
+    own_slice(gx, g_full, f"{what} backward (own slice)")
     assert bwd.calls() == 0 and fwd.calls() == calls, f"{what}: forward {fwd.summary()}, backward {bwd.summary()}"
 
     # scatter_to_region: own slice forward, gradients gathered backward.
@@ -123,7 +143,7 @@ def _check_tp_primitives(tp, rank, members, group):
     g_local = [_randn(3, 12 // W, seed=50 + r) for r in members]
     y, gx, fwd, bwd = run(tp.scatter_to_region, x_full, g_local[me])
     what = f"{where}, W={W}, scatter_to_region"
-    assert_tensors_close(y, x_full.chunk(W, -1)[me], f"{what} forward (own slice)", **EXACT)
+    own_slice(y, x_full, f"{what} forward (own slice)")
     assert_tensors_close(gx, torch.cat(g_local, -1), f"{what} backward (gathered slices)", **EXACT)
     assert fwd.calls() == 0 and bwd.calls() == calls, f"{what}: forward {fwd.summary()}, backward {bwd.summary()}"
 
