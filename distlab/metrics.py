@@ -2,7 +2,9 @@
 
 Only rank 0 prints progress (``log0``, ``progress``); every rank may ``log`` with a
 ``[rank r]`` prefix. Timers synchronise CUDA before reading the clock, so a GPU
-step is timed when it has finished, not when it was queued.
+step is timed when it has finished, not when it was queued. ``Timeline`` (a pipeline's
+spans) records CUDA events instead and reads them once after the step: it never stalls the
+step it times, so it can stay on in a training loop.
 """
 from __future__ import annotations
 
@@ -113,6 +115,58 @@ class StepTimer:
     def summary(self) -> dict[str, float]:
         """Total seconds per section."""
         return {k: sum(v) for k, v in self.times.items()}
+
+
+class Timeline:
+    """Spans ``(lane, start_s, end_s, kind, label)`` of one step, for ``plots.plot_timeline``, with no host sync.
+
+    A mark is the wall clock on the CPU. On CUDA it is an event recorded on the current stream
+    (the CPU does not wait): the spans are read once, when ``spans`` is read (one wait, for the
+    last event), as the wall clock at the step's first mark plus the GPU time since it. Timing
+    a CUDA span with the wall clock instead needs a ``torch.cuda.synchronize`` at each end.
+    ``enabled=False``: nothing is recorded and ``spans`` stays empty.
+    """
+
+    def __init__(self, device: torch.device | str | None = None, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.cuda = device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available()
+        self._spans: list[tuple] = []
+        self._pending: list[tuple] = []  # CUDA: spans whose ends are events not read yet
+        self._anchor: tuple | None = None  # CUDA: (first event of the step, wall clock when it was queued)
+
+    def mark(self) -> object:
+        """A point in time: ``perf_counter()``, a recorded CUDA event, or None when disabled."""
+        if not self.enabled:
+            return None
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        if self._anchor is None:
+            self._anchor = (event, time.perf_counter())
+        return event
+
+    def span(self, start: object, lane: object, kind: str, label: object = "") -> None:
+        """Record the span from the mark ``start`` to now."""
+        if self.enabled:
+            (self._pending if self.cuda else self._spans).append((lane, start, self.mark(), kind, label))
+
+    def clear(self) -> None:
+        """Forget the spans (the next mark starts a new step); no sync."""
+        self._spans.clear()
+        self._pending.clear()
+        self._anchor = None
+
+    @property
+    def spans(self) -> list[tuple]:
+        """The spans in seconds (on CUDA: waits once for the last event, then reads them all)."""
+        if self._pending:
+            first, wall = self._anchor
+            self._pending[-1][2].synchronize()  # events on one stream complete in order
+            seconds = lambda e: wall + first.elapsed_time(e) / 1e3  # noqa: E731 (elapsed_time: ms)
+            self._spans += [(lane, seconds(s), seconds(e), kind, label) for lane, s, e, kind, label in self._pending]
+            self._pending.clear()
+        return self._spans
 
 
 class Throughput:

@@ -5,25 +5,25 @@ are sent, and every schedule receives them in the order its neighbour sends them
 stage's sends leave with its next receive, as one launch (``p2p.Outbox``): in 1F1B's
 steady state two neighbours send to each other at once, which NCCL cannot buffer.
 A stage that is its own neighbour (p = 1 with several chunks) queues messages to itself,
-by ``key`` (virtual stage, direction).
+by ``key`` (virtual stage, direction). Waits for receives go into the stage's timeline
+(``distlab.metrics.Timeline``: CUDA events on a GPU, read after the step; no host sync here).
 Guide: phase2_advanced/guidelines_model_parallel.md#pipeline-parallelism.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
+from distlab.metrics import Timeline
 from distlab.p2p import Outbox
 
 
 class StageLinks:
-    """One stage's links to its neighbours (and itself); waits for receives go into ``events``."""
+    """One stage's links to its neighbours (and itself); waits for receives go into ``timeline``."""
 
     def __init__(self, stage_id: int, group: dist.ProcessGroup | None, dtype: torch.dtype,
-                 device: torch.device, events: list[tuple]) -> None:
-        self.stage_id, self.dtype, self.device, self.events = stage_id, dtype, device, events
+                 device: torch.device, timeline: Timeline) -> None:
+        self.stage_id, self.dtype, self.device, self.timeline = stage_id, dtype, device, timeline
         self.outbox = Outbox(group)
         self._local: dict[tuple, list[torch.Tensor]] = {}  # messages to itself
 
@@ -41,10 +41,10 @@ class StageLinks:
             else:
                 got.append(torch.empty(want[2], dtype=self.dtype, device=self.device))
                 remote.append((got[-1], want[0]))
-        start = time.perf_counter()
+        start = self.timeline.mark()
         self.outbox.recv_all(remote)
         if remote:
-            self.events.append((self.stage_id, start, time.perf_counter(), "wait", ""))
+            self.timeline.span(start, self.stage_id, "wait")
         return got
 
     def send(self, t: torch.Tensor, stage: int, key: tuple) -> None:

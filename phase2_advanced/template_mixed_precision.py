@@ -113,12 +113,16 @@ class DynamicLossScaler:
             raise RuntimeError("unscale_() was already called since the last update()")
         self._optimizer = optimizer
         # GradScaler multiplies by a float32 reciprocal; for powers of two it is exact.
-        inv_scale = _fp32(1.0 / self.scale_value)
-        found = torch.zeros(1)
+        inv_scale = 1.0 / self.scale_value
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        device = _comm_device(self.group) if dist.is_initialized() else (grads[0].device if grads else "cpu")
+        found = torch.zeros(1, device=device)
         # --- TODO 2.3: unscale and agree on overflow ---
-        # Goal: multiply every gradient of the optimizer's parameters by inv_scale, in place
-        # (even after an overflow, as GradScaler does), and set self.found_inf to whether any
-        # gradient on ANY rank of self.group held inf or nan (`found`: this rank's flag).
+        # Goal: multiply every gradient in `grads` by inv_scale, in place (even after an overflow,
+        # as GradScaler does), and set self.found_inf to whether any gradient on ANY rank of
+        # self.group held inf or nan (`found`: this rank's flag, on the device that communicates).
+        # Read the verdict on the host ONCE per step: a check per gradient (`if not
+        # isfinite(g).all()`) makes the CPU wait for the GPU once per parameter.
         # Collective: when torch.distributed is initialised, every rank of self.group joins one
         # 4-byte agreement; gloo reduces CPU tensors, NCCL CUDA ones (_comm_device).
         raise todo("2.3 unscale and agree on overflow", "guidelines.md#mixed-precision")

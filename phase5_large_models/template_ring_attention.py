@@ -26,6 +26,9 @@ so every rank does the same work.
 Uneven lengths: no padding. ``sequence_layout`` cuts with ``torch.tensor_split``'s rule
 (the first chunks one token longer) and every rank knows every rank's positions, so a
 receive buffer always has the sender's size and the causal mask comes from positions.
+Positions are host data (CPU tensors, read with numpy): which rows and columns of a block
+are visible is known without asking the GPU, so the ring has no host sync (a ``nonzero`` on
+device positions would stop the CPU twice per block, forward and backward).
 
 Cost per rank (c = B*H*D elements per token; T_j = tokens of rank j): forward sends the
 K/V of W-1 blocks, 2c(T - T_{r+1}); backward the same again plus the W dK/dV
@@ -35,6 +38,7 @@ Run: ``NPROC=4 RUN_MODE=context_parallel ./entrypoint.sh``.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from distlab.todo import todo
@@ -66,9 +70,19 @@ def sequence_layout(seq_len: int, world_size: int, kind: str = "zigzag") -> list
 
 
 # --------------------------------------------------------------------------- one block (given)
-def _visible(pos_q: torch.Tensor, pos_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows (queries) that see at least one key of the block, columns (keys) seen by at least one query."""
-    return (torch.nonzero(pos_q >= pos_k.min()).flatten(), torch.nonzero(pos_k <= pos_q.max()).flatten())
+def _visible(pos_q: torch.Tensor, pos_k: torch.Tensor, device: torch.device) -> tuple | None:
+    """Rows (queries) that see at least one key of the block, columns (keys) seen by at least one
+    query, and the causal mask between them (True: masked), on ``device``; None if no row sees any.
+
+    Computed on the host from the positions (CPU tensors, as ``sequence_layout`` makes them; numpy
+    refuses device tensors): no host sync, and the copies to ``device`` do not wait.
+    """
+    pq, pk = (p.numpy() if p.device.type == "cpu" else p.cpu().numpy() for p in (pos_q, pos_k))
+    rows, cols = np.flatnonzero(pq >= pk.min()), np.flatnonzero(pk <= pq.max())
+    if rows.size == 0:
+        return None
+    masked = pq[rows, None] < pk[None, cols]
+    return tuple(torch.from_numpy(a).to(device, non_blocking=True) for a in (rows, cols, masked))
 
 
 def block_attention(q, k, v, pos_q, pos_k, scale: float):
@@ -80,12 +94,13 @@ def block_attention(q, k, v, pos_q, pos_k, scale: float):
     are skipped, which is where causal work saves (and where a contiguous split loses balance).
     """
     out, lse = torch.zeros_like(q), q.new_full(q.shape[:-1], float("-inf"))
-    rows, cols = _visible(pos_q, pos_k)
-    if rows.numel() == 0:
+    visible = _visible(pos_q, pos_k, q.device)
+    if visible is None:
         return out, lse, 0
+    rows, cols, masked = visible
     ks, vs = k.index_select(2, cols), v.index_select(2, cols)
     s = (q.index_select(2, rows) @ ks.transpose(-1, -2)) * scale
-    s = s.masked_fill(pos_q[rows, None] < pos_k[None, cols], float("-inf"))
+    s = s.masked_fill(masked, float("-inf"))
     lse_b = torch.logsumexp(s, dim=-1)
     out.index_copy_(2, rows, torch.exp(s - lse_b[..., None]) @ vs)
     lse.index_copy_(2, rows, lse_b)
@@ -96,12 +111,13 @@ def block_attention_backward(q, k, v, dout, lse, delta, pos_q, pos_k, scale: flo
     """This block's share of dQ, and its dK, dV, given each query's FINAL ``lse`` (over all
     blocks) and ``delta = (dout * out).sum(-1)``, as in FlashAttention's backward."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    rows, cols = _visible(pos_q, pos_k)
-    if rows.numel() == 0:
+    visible = _visible(pos_q, pos_k, q.device)
+    if visible is None:
         return dq, dk, dv
+    rows, cols, masked = visible
     qs, ks, vs, do = q.index_select(2, rows), k.index_select(2, cols), v.index_select(2, cols), dout.index_select(2, rows)
     s = (qs @ ks.transpose(-1, -2)) * scale
-    s = s.masked_fill(pos_q[rows, None] < pos_k[None, cols], float("-inf"))
+    s = s.masked_fill(masked, float("-inf"))
     p = torch.exp(s - lse.index_select(2, rows)[..., None])  # probabilities under the whole row's softmax
     ds = p * (do @ vs.transpose(-1, -2) - delta.index_select(2, rows)[..., None])
     dq.index_copy_(2, rows, ds @ ks * scale)
@@ -150,7 +166,6 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, layout, group, stats):
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         acc = torch.promote_types(q.dtype, torch.float32)  # softmax statistics in >= fp32
-        layout = [p.to(q.device) for p in layout]
         scale = q.shape[-1] ** -0.5
         B, H, _, D = q.shape
         qa = q.to(acc)
@@ -199,7 +214,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: li
 
     Args:
         q, k, v: (B, H, T_r, D), this rank's tokens, at global positions ``layout[rank]`` in that order.
-        layout: every rank's positions (``sequence_layout(T, W, kind)``), the same list on every rank.
+        layout: every rank's positions (``sequence_layout(T, W, kind)``: CPU tensors), the same list on every rank.
         group: the context-parallel group (None: WORLD).
         stats: optional dict; ``stats["score_elements"]`` grows by the attention scores this
             rank computed per (batch, head) in forward: its share of the causal work.

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.metrics import device_clock
+from distlab.metrics import Timeline
 from distlab.stage_links import StageLinks
 from distlab.sync import check_divisible
 
@@ -63,11 +63,12 @@ class PipelineStage:
             chunk c is virtual stage c*p + rank of a model cut into p*v pieces.
         recv_shape: shape of the micro-batch activation a stage receives (unused on stage 0).
         group: the pipeline's ranks, in stage order (stage = group rank).
+        timeline: record ``events`` (compute and waits per micro-batch); no host sync either way.
     """
 
     def __init__(self, module: nn.Module | list[nn.Module], recv_shape: tuple[int, ...],
                  dtype: torch.dtype = torch.float32, group: dist.ProcessGroup | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, timeline: bool = True) -> None:
         self.chunks = list(module) if isinstance(module, (list, tuple)) else [module]
         self.module, self.recv_shape, self.dtype, self.group = module, tuple(recv_shape), dtype, group
         self.device = device or torch.device("cpu")
@@ -76,9 +77,13 @@ class PipelineStage:
         self.in_flight: dict[tuple[int, int], tuple] = {}  # (chunk, mb) -> (input, output or loss)
         self.peak_in_flight = 0
         self.losses: list[torch.Tensor] = []  # last stage: each micro-batch's loss / m
-        self.events: list[tuple] = []  # (stage, start_s, end_s, kind, label) for plot_timeline
+        self.timeline = Timeline(self.device, timeline)
         # Given: untagged messages, each send leaving with the next receive (distlab/stage_links.py).
-        self.links = StageLinks(self.stage_id, group, dtype, self.device, self.events)
+        self.links = StageLinks(self.stage_id, group, dtype, self.device, self.timeline)
+
+    @property
+    def events(self) -> list[tuple]:  # (stage, start_s, end_s, kind, label) of the last step, for plot_timeline
+        return self.timeline.spans
 
     @property
     def is_first(self) -> bool:
@@ -130,13 +135,12 @@ class PipelineStage:
                  num_microbatches: int, chunk: int) -> None:
         p, vs = self.num_stages, chunk * self.num_stages + self.stage_id
         last = vs == p * self.num_chunks - 1
-        start = device_clock(self.device)
+        start = self.timeline.mark()
         out = self.chunks[chunk](inp)
         if last:
             out = loss_fn(out, target) / num_microbatches  # the mean over micro-batches
             self.losses.append(out.detach())
-        self.events.append((self.stage_id, start, device_clock(self.device), "F", mb if self.num_chunks == 1
-                            else f"{mb}.{chunk}"))
+        self.timeline.span(start, self.stage_id, "F", mb if self.num_chunks == 1 else f"{mb}.{chunk}")
         if not last:
             self.links.send(out.detach(), (self.stage_id + 1) % p, (vs + 1, "F"))
         self.in_flight[chunk, mb] = (inp, out)
@@ -145,10 +149,9 @@ class PipelineStage:
     def _backward(self, mb: int, chunk: int, grad: torch.Tensor | None) -> None:
         p, vs = self.num_stages, chunk * self.num_stages + self.stage_id
         inp, out = self.in_flight.pop((chunk, mb))  # frees this micro-batch's activations afterwards
-        start = device_clock(self.device)
+        start = self.timeline.mark()
         torch.autograd.backward(out, grad)
-        self.events.append((self.stage_id, start, device_clock(self.device), "B", mb if self.num_chunks == 1
-                            else f"{mb}.{chunk}"))
+        self.timeline.span(start, self.stage_id, "B", mb if self.num_chunks == 1 else f"{mb}.{chunk}")
         if vs > 0:
             self.links.send(inp.grad, (self.stage_id - 1) % p, (vs - 1, "B"))
 
@@ -272,7 +275,7 @@ def train_step(stage: PipelineStage, optimizer: torch.optim.Optimizer, schedule:
     targets = split_microbatches(y, num_microbatches) if stage.is_last else none
     optimizer.zero_grad(set_to_none=True)
     stage.losses.clear()
-    stage.events.clear()  # the timeline of this step only
+    stage.timeline.clear()  # the timeline of this step only
     SCHEDULES[schedule](stage, inputs, targets, loss_fn)
     optimizer.step()
     return sum(stage.losses).item() if stage.is_last else None
