@@ -75,6 +75,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "scaffold: checks code that templates provide ready-made")
     config.addinivalue_line("markers", "gpu: needs CUDA (skipped without enough GPUs)")
     config._distlab_results = OrderedDict()
+    config._distlab_collected = {}  # nodeid -> exercise, graded tests collected (selected or deselected)
+    config._distlab_deselected = set()  # nodeids of those left out by -k, -m, --deselect, ...
 
 
 class _OneLine:
@@ -104,6 +106,23 @@ def _first_line(excinfo) -> str:
     """The first non-empty line of the exception, or its type: an empty message must not crash grading."""
     lines = [line for line in str(excinfo.value).splitlines() if line.strip()]
     return lines[0] if lines else f"{excinfo.type.__name__} (no message)"
+
+
+def _note_collected(items) -> None:
+    for item in items:
+        if item.get_closest_marker("scaffold") is None:
+            item.config._distlab_collected[item.nodeid] = _exercise(item)
+
+
+def pytest_deselected(items):
+    # -k, -m, --deselect, DISTLAB_EXERCISES: an exercise with some of its tests left out is scored partial.
+    _note_collected(items)
+    if items:
+        items[0].config._distlab_deselected.update(item.nodeid for item in items)
+
+
+def pytest_collection_finish(session):
+    _note_collected(session.items)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -140,8 +159,14 @@ def load_weights(path: str | Path = WEIGHTS) -> dict[str, float]:
     return {k: float(v) for k, v in tomllib.loads(path.read_text()).get("weights", {}).items()}
 
 
-def exercise_scores(results: dict, weights: dict[str, float] | None = None) -> "OrderedDict[str, dict]":
-    """Per exercise: tests passed/run (scaffold tests excluded), points = weight * passed / run."""
+def exercise_scores(results: dict, weights: dict[str, float] | None = None, collected: dict[str, str] | None = None,
+                    deselected: set[str] = frozenset()) -> "OrderedDict[str, dict]":
+    """Per exercise: tests passed/run (scaffold tests excluded), points = weight * passed / run.
+
+    ``collected`` (nodeid -> exercise: every graded test collected, deselected ones included) adds
+    ``expected`` (its tests, less those skipped here) and ``partial``: fewer of them ran (``-k``, ``-x``),
+    so ``points`` scores only the tests that ran, not the exercise; ``selected``: those not ``deselected``.
+    """
     weights = load_weights() if weights is None else weights
     scores: OrderedDict[str, dict] = OrderedDict()
     for nodeid, r in results.items():
@@ -158,18 +183,41 @@ def exercise_scores(results: dict, weights: dict[str, float] | None = None) -> "
         # Tests with no exercise marker check the bench itself: listed, never graded.
         s["weight"] = 0.0 if name == UNGRADED else weights.get(name, 1.0)
         s["points"] = round(s["weight"] * s["passed"] / s["total"], 2)
+        skipped = sum(1 for n, r in results.items() if r["exercise"] == name and r["outcome"] == "skipped")
+        s["expected"] = max(s["total"], sum(1 for e in (collected or {}).values() if e == name) - skipped)
+        s["partial"] = s["total"] < s["expected"]
+        s["selected"] = s["expected"] - sum(1 for n in deselected if (collected or {}).get(n) == name)
     return scores
+
+
+def score_line(name: str, s: dict) -> str:
+    """One exercise's line in the summary; a partial one never shows its points as the exercise's."""
+    todos = sorted(set(re.findall(r"TODO (\d+\.\d+[a-z]?)", "\n".join(s["failures"]))))
+    note = f"  <- unfinished: TODO {', '.join(todos)}" if todos else ""
+    if name == UNGRADED:
+        points = "  (not graded)"
+    elif s.get("partial"):
+        how = "selected" if s["selected"] == s["total"] else "run"  # -k; or -x, a crash, ...
+        points = f"  partial ({s['total']} of {s['expected']} tests {how}): {s['points']:.2f}/{s['weight']:g} on these only"
+    else:
+        points = f"  {s['points']:>5.2f}/{s['weight']:g} points"
+    return f"{name:<45} {s['passed']:>3}/{s['total']:<3} tests{points}{note}"
 
 
 def gradescope_results(scores: "OrderedDict[str, dict]", results: dict, seconds: float) -> dict:
     """Gradescope's results.json: one test per exercise, visible, with its failures as output."""
+    def output(s: dict) -> str:
+        text = "\n".join(s["failures"]) or f"all {s['total']} tests passed"
+        if s.get("partial"):
+            text = f"partial: {s['total']} of {s['expected']} tests run; the score counts these only\n{text}"
+        return text
+
     tests = [{"name": name, "score": s["points"], "max_score": s["weight"], "visibility": "visible",
-              "execution_time": round(s["seconds"], 1),
-              "output": "\n".join(s["failures"]) or f"all {s['total']} tests passed"}
+              "execution_time": round(s["seconds"], 1), "output": output(s), "partial": bool(s.get("partial"))}
              for name, s in scores.items() if name != UNGRADED]
     return {"score": round(sum(t["score"] for t in tests), 2), "max_score": sum(t["max_score"] for t in tests),
             "execution_time": round(seconds, 1), "visibility": "visible", "stdout_visibility": "visible",
-            "tests": tests, "per_test": results}
+            "partial": any(t["partial"] for t in tests), "tests": tests, "per_test": results}
 
 
 def pytest_sessionstart(session):
@@ -180,14 +228,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     results = config._distlab_results
     if not results:
         return
-    scores = exercise_scores(results, load_weights(config.getoption("--weights")))
+    scores = exercise_scores(results, load_weights(config.getoption("--weights")), config._distlab_collected,
+                             config._distlab_deselected)
     tr = terminalreporter
     tr.section(f"score per exercise (--impl {config.getoption('--impl')})")
     for name, s in scores.items():
-        todos = sorted(set(re.findall(r"TODO (\d+\.\d+[a-z]?)", "\n".join(s["failures"]))))
-        note = f"  <- unfinished: TODO {', '.join(todos)}" if todos else ""
-        points = f"  {s['points']:>5.2f}/{s['weight']:g} points" if name != UNGRADED else "  (not graded)"
-        tr.write_line(f"{name:<45} {s['passed']:>3}/{s['total']:<3} tests{points}{note}")
+        tr.write_line(score_line(name, s))
     path = config.getoption("--results-json")
     if path:
         seconds = time.monotonic() - getattr(config, "_distlab_start", time.monotonic())
