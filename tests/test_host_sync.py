@@ -58,6 +58,13 @@ def _check(results: list[dict], budget) -> None:
                                          f"(each makes the CPU wait for the GPU):\n{got['report']}")
 
 
+def _sgd_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    """An ordinary torch training step (the wrappers all-reduce in backward, ZeRO in step)."""
+    opt.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
 def _data(rank: int, world_size: int, step: int = 0):
     g = torch.Generator().manual_seed(step)
     x, y = torch.randn(BATCH, 6, generator=g), torch.randint(3, (BATCH,), generator=g)
@@ -145,57 +152,33 @@ def test_cuda_timeline_waits_once_when_read():
 # --------------------------------------------------------------------------- data parallelism and ZeRO
 def _worker_data_parallel(rank, world_size):
     ddp_overlap, ddp_bucketed = load("phase3_multi_node", "ddp_overlap"), load("phase3_multi_node", "ddp_bucketed")
-    trainer = load("phase1_data_parallel", "trainer")
-    x, y = _data(rank, world_size)
-    out = {}
-    model = seeded(ToyMLP, 0, 6, 10, 3)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    out["naive DDP"] = _metered(lambda: trainer.train_step(model, opt, F.cross_entropy, x, y))
-    wrappers = {"per-parameter DDP": ddp_overlap.DDPIndividualParameters,
-                "bucketed DDP": lambda m: ddp_bucketed.DDPBucketed(m, bucket_size_mb=200 / 2**20),  # 2+ buckets
-                "torch DDP": nn.parallel.DistributedDataParallel}
-    for name, wrap in wrappers.items():
-        model = wrap(seeded(ToyMLP, 0, 6, 10, 3))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-        def step(model=model, opt=opt):
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-        out[name] = _metered(step)
-    return out
-
-
-def test_data_parallel_steps_never_sync_like_torch_ddp():
-    results = run_distributed(_worker_data_parallel, 2, backend="gloo")
-    _check(results, lambda name, rank: 0)
-
-
-def _worker_zero(rank, world_size):
-    zero = load("phase3_multi_node", "zero")
+    trainer, zero = load("phase1_data_parallel", "trainer"), load("phase3_multi_node", "zero")
     from torch.distributed.optim import ZeroRedundancyOptimizer
     x, y = _data(rank, world_size)
-    out = {}
-    optimizers = {"ZeRO-1": lambda ps: zero.ZeroOptimizer(ps, torch.optim.SGD, stage=1, lr=0.1, momentum=0.9),
-                  "ZeRO-2": lambda ps: zero.ZeroOptimizer(ps, torch.optim.SGD, stage=2, bucket_size_mb=200 / 2**20,
-                                                          lr=0.1, momentum=0.9),
-                  "torch ZeroRedundancyOptimizer": lambda ps: ZeroRedundancyOptimizer(
-                      ps, torch.optim.SGD, lr=0.1, momentum=0.9)}
-    for name, make in optimizers.items():
+    model = seeded(ToyMLP, 0, 6, 10, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    out = {"naive DDP": _metered(lambda: trainer.train_step(model, opt, F.cross_entropy, x, y))}
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    small = 200 / 2**20  # 200-byte buckets: several per step
+    bare = lambda m: m  # noqa: E731 (ZeRO communicates in its optimizer: no wrapper)
+    strategies = {  # name: (wrap the model, build the optimizer)
+        "per-parameter DDP": (ddp_overlap.DDPIndividualParameters, sgd),
+        "bucketed DDP": (lambda m: ddp_bucketed.DDPBucketed(m, bucket_size_mb=small), sgd),
+        "torch DDP": (nn.parallel.DistributedDataParallel, sgd),
+        "ZeRO-1": (bare, lambda ps: zero.ZeroOptimizer(ps, torch.optim.SGD, stage=1, lr=0.1, momentum=0.9)),
+        "ZeRO-2": (bare, lambda ps: zero.ZeroOptimizer(ps, torch.optim.SGD, stage=2, bucket_size_mb=small,
+                                                         lr=0.1, momentum=0.9)),
+        "torch ZeroRedundancyOptimizer": (nn.parallel.DistributedDataParallel, lambda ps: ZeroRedundancyOptimizer(
+            ps, torch.optim.SGD, lr=0.1, momentum=0.9))}
+    for name, (wrap, make) in strategies.items():
         model = seeded(ToyMLP, 0, 6, 10, 3)
-        ddp = model if name != "torch ZeroRedundancyOptimizer" else nn.parallel.DistributedDataParallel(model)
-        opt = make(list(model.parameters()))
-
-        def step(ddp=ddp, opt=opt):
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(ddp(x), y).backward()
-            opt.step()
-        out[name] = _metered(step)
+        wrapped, opt = wrap(model), make(list(model.parameters()))
+        out[name] = _metered(lambda: _sgd_step(wrapped, opt, x, y))  # _metered runs it before the next loop
     return out
 
 
-def test_zero_steps_never_sync():
-    results = run_distributed(_worker_zero, 2, backend="gloo")
+def test_data_parallel_and_zero_steps_never_sync_like_torch():
+    results = run_distributed(_worker_data_parallel, 2, backend="gloo")
     _check(results, lambda name, rank: 0)
 
 
