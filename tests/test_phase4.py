@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from distlab import load
 from distlab.launch import kill_process_tree, marked_environ, run_distributed
-from distlab.testing import assert_tensors_close
+from distlab.testing import assert_tensors_close, reference_prerequisites
 from distlab.todo import LearnerTODO
 
 PHASE = "phase4_production"
@@ -223,18 +223,9 @@ def test_rng_restore_matches_uninterrupted_draws():
 
 
 # --------------------------------------------------------------------------- 4.4 manager
-def _reference_prerequisites(module, names):
-    """Give ``module`` (the graded one, in this rank's own process) the reference's ``names``:
-    an exercise is graded with the building blocks of other exercises taken from the reference."""
-    ref = load(PHASE, module.__name__.rsplit(".", 1)[-1].removeprefix("template_"), impl="solutions")
-    for name in names:
-        setattr(module, name, getattr(ref, name))
-    return module
-
-
 def _worker_manager(rank, world_size, directory):
     # 4.4 alone: saving and verifying (4.1, 4.2) come from the reference.
-    ckpt = _reference_prerequisites(load(PHASE, "checkpoint"), ["save_file", "load_file", "verify_file",
+    ckpt = reference_prerequisites(load(PHASE, "checkpoint"), PHASE, ["save_file", "load_file", "verify_file",
                                                                       "CheckpointError"])
     manager = ckpt.CheckpointManager(directory, keep=3)
     assert manager.latest() is None, f"rank {rank}: an empty directory has no checkpoint"
@@ -302,7 +293,7 @@ def test_manager_falls_back_to_newest_good_checkpoint(world_size, tmp_path):
 
 def _worker_two_runs(rank, world_size, directory):
     # 4.4 alone: saving and verifying (4.1, 4.2) come from the reference (patched in this rank only).
-    ckpt = _reference_prerequisites(load(PHASE, "checkpoint"), ["save_file", "load_file", "verify_file",
+    ckpt = reference_prerequisites(load(PHASE, "checkpoint"), PHASE, ["save_file", "load_file", "verify_file",
                                                                       "CheckpointError"])
     with ckpt.CheckpointManager(directory, keep=3) as other:  # closed before this run takes the directory
         for step in (14, 16, 18):
