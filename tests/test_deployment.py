@@ -228,15 +228,17 @@ def test_slurm_script_finds_the_head_node_and_runs_the_capstone():
     text = (DEPLOYMENT / "slurm.sbatch").read_text()
     directives = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", text, flags=re.M))
     assert directives["ntasks-per-node"] == "1", "one torchrun per node"
-    assert "scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1" in text
+    assert "scontrol show hostnames \"$SLURM_JOB_NODELIST\" | awk 'NR == 1'" in text  # not head: SIGPIPE
     srun = text.split("srun --kill-on-bad-exit=1", 1)[1]
     command = " ".join(line.rstrip("\\").strip() for line in srun.splitlines()
                        if line.strip() and not line.strip().startswith("#"))
     args = command.split()
     # srun does not inherit --cpus-per-task from sbatch since SLURM 22.05: it must be passed on.
     assert args[0] == '--cpus-per-task="$SLURM_CPUS_PER_TASK"' and "export SRUN_CPUS_PER_TASK=" in text
-    args = args[1:]
-    assert args[0] == "torchrun" and "--rdzv_backend=c10d" in args
+    # torchrun as a module of the venv's python: a bare `torchrun` is on no PATH the job step gets.
+    assert args[1:4] == ["python", "-m", "torch.distributed.run"], args[:4]
+    args = args[4:]
+    assert "--rdzv_backend=c10d" in args
     # A resubmitted job starts its own run: the checkpoint directory is keyed on the job id.
     assert any(a.startswith("--checkpoint-dir=") and "$run_id" in a for a in args)
     assert "run_id=${RESUME_RUN:-$SLURM_JOB_ID}" in text

@@ -3,7 +3,7 @@
 # a startup script that installs the course and starts ./entrypoint.sh with torchrun's c10d
 # rendezvous at node 0. See README.md beside this file.
 terraform {
-  required_version = ">= 1.5"
+  required_version = ">= 1.9" # validations that read other variables (node_count x gpus_per_node vs global_batch)
   required_providers {
     aws = {
       source  = "hashicorp/aws"
@@ -110,7 +110,7 @@ locals {
     repo_url      = var.repo_url
     repo_ref      = var.repo_ref
     run_mode      = var.run_mode
-    run_args      = var.run_args
+    run_args      = var.global_batch == null ? var.run_args : "${var.run_args} --global-batch ${var.global_batch}"
   }
 }
 
