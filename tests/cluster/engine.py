@@ -24,12 +24,15 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from distlab.launch import die_with_parent
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yaml"
@@ -88,8 +91,9 @@ class Engine:
 
 def _start_dockerd(log: Path, extra: list[str]) -> subprocess.Popen:
     with open(log, "ab") as f:
+        # SIGTERM when this process dies, even by SIGKILL (pytest-timeout, CI's limit): the daemon ends with the tier.
         proc = subprocess.Popen(["dockerd", *extra], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
         if _engine_answers():
