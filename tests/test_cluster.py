@@ -10,6 +10,7 @@ of its own. Where no engine can start, every test skips with the reason.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.engine import ENABLE_ENV, Cluster, EngineUnavailable, base_image, build_image, docker, start_engine
+from cluster.engine import (ENABLE_ENV, Cluster, EngineUnavailable, base_image, build_image, docker, python_mounts,
+                            start_engine)
 
 # Cold: ~40 s of debootstrap and ~15 s of import for the base image, then the cluster; a cached base skips both.
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
@@ -71,17 +73,22 @@ def _up(cluster: Cluster) -> None:
     assert cluster.state("node0").get("Health", {}).get("Status") == "healthy", _health_report(cluster)
 
 
-def _finish(cluster: Cluster, timeout_s: float) -> dict[str, tuple[int, str]]:
-    """Every node's exit code and log, once all have stopped."""
+def _finish(cluster: Cluster, timeout_s: float) -> dict[str, tuple[int | None, str]]:
+    """Every node's exit code (None: still running) and log, once all have stopped or one has failed.
+
+    A failed node ends the wait: the others may wait minutes for it (torchrun's exit barrier).
+    """
     deadline = time.monotonic() + timeout_s
-    results = {}
-    for node in cluster.nodes:
-        try:
-            code = cluster.wait(node, timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{node} still runs after {timeout_s:.0f} s:\n{cluster.logs(node)[-3000:]}")
-        results[node] = (code, cluster.logs(node))
-    return results
+    while True:
+        states = {node: cluster.state(node) for node in cluster.nodes}
+        codes = {node: None if s["Status"] in ("created", "running", "restarting") else s["ExitCode"]
+                 for node, s in states.items()}
+        if all(c is not None for c in codes.values()) or any(codes.values()):
+            return {node: (code, cluster.logs(node)) for node, code in codes.items()}
+        if time.monotonic() > deadline:
+            running = [n for n, c in codes.items() if c is None]
+            pytest.fail(f"{running} still run after {timeout_s:.0f} s:\n{cluster.logs(running[0])[-3000:]}")
+        time.sleep(1)  # polling three containers' states, not waiting for an event we could block on
 
 
 MODES = [
@@ -112,8 +119,8 @@ def _run_mode(engine, image, tmp_path, mode, args, nproc, node_env) -> dict[str,
 @pytest.mark.parametrize("mode, args, nproc, says", MODES, ids=[m[0] for m in MODES])
 def test_compose_cluster_runs_a_mode_on_three_nodes(engine, image, tmp_path, mode, args, nproc, says):
     results = _run_mode(engine, image, tmp_path, mode, args, nproc, NO_WATCHDOG)
-    for node, (code, log) in results.items():
-        assert code == 0, f"{node} exited {code}:\n{log[-3000:]}"
+    for node, (code, log) in sorted(results.items(), key=lambda item: item[1][0] is None):  # the failed first
+        assert code == 0, f"{node} {'still runs' if code is None else f'exited {code}'}:\n{log[-3000:]}"
         assert "--nnodes=3" in log and f"--nproc_per_node={nproc}" in log, log[-2000:]
     assert says in results["node0"][1], results["node0"][1][-3000:]
 
@@ -123,6 +130,94 @@ def test_compose_cluster_runs_a_mode_on_three_nodes(engine, image, tmp_path, mod
 def test_ranks_exit_cleanly_with_the_hang_watchdog_on(engine, image, tmp_path):
     """The default (watchdog on under torchrun): every node ends with 0, no rank aborts after its summary."""
     results = _run_mode(engine, image, tmp_path, "data_parallel_naive", "--epochs 1", "2", {})
-    for node, (code, log) in results.items():
+    for node, (code, log) in sorted(results.items(), key=lambda item: item[1][0] is None):
         assert "terminate called without an active exception" not in log and code == 0, \
-            f"{node} exited {code}:\n{log[-3000:]}"
+            f"{node} {'still runs' if code is None else f'exited {code}'}:\n{log[-3000:]}"
+
+
+# --------------------------------------------------------------------------- the Terraform node startup, installing
+STARTUP_STUBS = {
+    # what a node reaches over the network, stood in for: the package mirror, EFS, the git server
+    "apt-get": "exit 0",
+    "mount": "exit 0",
+    "git": 'if [[ "$1" == clone ]]; then cp -a /workspace "$3" && mkdir -p "$3/.git"; fi',
+    # the venv sees this machine's installed packages (mounted): pip finds every requirement but `-e .` there.
+    # Its bundled setuptools (65, no bdist_wheel) goes: a node's pip builds `-e .` with a fresh setuptools
+    # from PyPI (build isolation); offline, with build isolation off, the mounted one (>= 70) stands in.
+    "python3": 'if [[ "$1 $2" == "-m venv" ]]; then python -m venv --system-site-packages "$3" && '
+               'rm -rf "$3"/lib/python3*/site-packages/setuptools*; exit; fi; exec python "$@"',
+}
+
+
+def test_terraform_startup_script_installs_and_starts_a_node(engine, image, tmp_path):
+    """The rendered user data of a one-node cluster, its install branch for real (pip, venv) in a container.
+
+    apt-get, mount and git are stand-ins (no mirror, EFS or git server here); pip installs the course's
+    requirements.txt offline from the mounted environment (--system-site-packages), `-e .` included.
+    """
+    from test_deployment import TERRAFORM, _render
+
+    script = _render((TERRAFORM / "startup.sh.tftpl").read_text(), {
+        "node_rank": 0, "master_addr": "", "node_count": 1, "gpus_per_node": 1, "efs_dns": "fs-0.efs.example",
+        "repo_url": "https://git.example/distlab.git", "repo_ref": "main", "run_mode": "comm",
+        "run_args": "--numel 4096 --repeats 1"})
+    (tmp_path / "startup.sh").write_text(script)
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    for name, body in STARTUP_STUBS.items():
+        (stubs / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (stubs / name).chmod(0o755)
+    path = docker("image", "inspect", "-f", "{{range .Config.Env}}{{println .}}{{end}}", image).stdout
+    path = next(line.split("=", 1)[1] for line in path.splitlines() if line.startswith("PATH="))
+    mounts = [a for d in python_mounts() for a in ("-v", f"{d}:{d}:ro")]
+    name = f"distlab-startup-{os.urandom(4).hex()}"
+    try:
+        out = docker("run", "--name", name, *mounts, "-v", f"{tmp_path}:/boot:ro", "-e", f"PATH=/boot/stubs:{path}",
+                     "-e", "PIP_NO_INDEX=1", "-e", "PIP_NO_BUILD_ISOLATION=0", "-e", "PIP_DISABLE_PIP_VERSION_CHECK=1",
+                     "-e", "OMP_NUM_THREADS=1", "-e", "DISTLAB_HANG_TIMEOUT=0", "-w", "/",  # cloud-init runs user data in /
+                     "--entrypoint", "bash", image,
+                     "/boot/startup.sh", timeout=240, check=False)
+    finally:
+        docker("rm", "-f", name, timeout=60, check=False)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, f"the node's startup script exited {out.returncode}:\n{log[-3000:]}"
+    assert "-m demos.comm" in log and "== the primitives on 1 ranks" in log, log[-3000:]
+
+
+# --------------------------------------------------------------------------- a node cut off the network
+def _wait_for_log(cluster: Cluster, node: str, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in cluster.logs(node):
+        if time.monotonic() > deadline or cluster.state(node)["Status"] != "running":
+            pytest.fail(f"{node} never printed {text!r}:\n{cluster.logs(node)[-3000:]}")
+        time.sleep(1)  # polling a log, not waiting for an event we could block on
+
+
+def test_a_node_cut_off_the_network_ends_the_job_with_the_doctors_report(engine, image, tmp_path):
+    """node2 loses its network mid-training: no connection is reset, its peers' collectives just stop.
+
+    The hang doctor's watchdog (on by default under torchrun; DISTLAB_HANG_TIMEOUT: timeout/10 within
+    10-30 s) must end the job on the nodes that are left, with its report, within about a minute,
+    instead of the process group's timeout.
+    """
+    cluster = Cluster(engine, image, tmp_path, env={"RUN_MODE": "data_parallel_naive", "RUN_ARGS": "--epochs 200",
+                                                      "NPROC": "1"})
+    try:
+        _up(cluster)
+        _wait_for_log(cluster, "node0", "epoch 0:", timeout_s=120)
+        node2 = cluster.container("node2")
+        network = next(iter(json.loads(docker("inspect", "-f", "{{json .NetworkSettings.Networks}}", node2).stdout)))
+        docker("network", "disconnect", "-f", network, node2)
+        cut = time.monotonic()
+        try:
+            code = cluster.wait("node0", timeout=150)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"node0 still runs 150 s after node2 lost its network:\n{cluster.logs('node0')[-3000:]}")
+        waited = time.monotonic() - cut
+        log = cluster.logs("node0") + cluster.logs("node1")
+    finally:
+        cluster.down()
+    assert code != 0, "node0 exited 0 although a node was cut off mid-training"
+    assert "hang doctor" in log, f"no report from the hang doctor on node0 or node1:\n{log[-4000:]}"
+    assert waited < 120, f"the job took {waited:.0f} s to end after node2 was cut off"
+    assert cluster.leftovers() == [], "docker-compose down -v left these behind"
