@@ -395,7 +395,7 @@ def agree(step: int, failed: bool, group: dist.ProcessGroup | None = None) -> tu
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     votes = torch.zeros(world_size + 2, dtype=torch.int64)
     votes[rank], votes[-2], votes[-1] = int(failed), step, -step
-    if dist.get_backend(group) == "nccl":  # NCCL reduces device tensors only
+    if "nccl" in dist.get_backend(group):  # NCCL reduces device tensors only (also "cpu:gloo,cuda:nccl")
         votes = votes.to(torch.device("cuda", torch.cuda.current_device()))
     dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
     votes = votes.cpu()
