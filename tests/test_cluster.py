@@ -227,3 +227,45 @@ def test_a_node_cut_off_the_network_ends_the_job_with_the_doctors_report(engine,
                                            f"({sorted(left)}), not node2's:\n{log[-4000:]}"
     assert waited < 120, f"the job took {waited:.0f} s to end after node2 was cut off"
     assert cluster.leftovers() == [], "docker-compose down -v left these behind"
+
+
+# --------------------------------------------------------------------------- a node's container killed
+def test_a_killed_node_restarts_the_elastic_job_which_resumes_from_the_shared_checkpoint(engine, image, tmp_path):
+    """RUN_MODE=fault_tolerance MAX_RESTARTS=2, as an elastic job of 2-3 nodes (NNODES=2:3 on every node).
+
+    node2's container is killed once the first checkpoint is on the shared volume: node0 and node1
+    restart their workers, rendezvous again without it, and resume from the last checkpoint that
+    3 ranks saved, now with 2 ranks, to the end.
+
+    (With NNODES=3 a killed node must come back, and a restarted container does not get back in:
+    torch 2.14's agents keep the first round's store address, so the new agent waits for a key no
+    one writes (DistStoreError after 60 s). The elastic range is the way a lost machine is survived.)
+    """
+    cluster = Cluster(engine, image, tmp_path,
+                      env={"RUN_MODE": "fault_tolerance", "RUN_ARGS": "--steps 600 --ckpt-every 50", "NPROC": "1",
+                           "MAX_RESTARTS": "2"},
+                      node_env={**NO_WATCHDOG, "NNODES": "2:3"})
+    try:
+        _up(cluster)
+        node0 = cluster.container("node0")
+        deadline = time.monotonic() + 120
+        while not docker("exec", node0, "ls", "/checkpoints/fault_tolerance", check=False).stdout.strip():
+            if time.monotonic() > deadline or cluster.state("node0")["Status"] != "running":
+                pytest.fail(f"no checkpoint on the shared volume:\n{cluster.logs('node0')[-3000:]}")
+            time.sleep(1)  # polling a directory, not waiting for an event we could block on
+        docker("kill", cluster.container("node2"))
+        results = {}
+        for node in ("node0", "node1"):
+            try:
+                results[node] = (cluster.wait(node, timeout=240), cluster.logs(node))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{node} still runs 240 s after node2 was killed:\n{cluster.logs(node)[-3000:]}")
+    finally:
+        cluster.down()
+    for node, (code, log) in results.items():
+        assert code == 0, f"{node} exited {code} after node2 was killed:\n{log[-3000:]}"
+    log = results["node0"][1]
+    resumed = re.search(r"\[attempt 1\] resumed from \S+step_(\d+) \(step \d+, saved by 3 ranks, now 2\)", log)
+    assert resumed and int(resumed.group(1)) >= 50, f"the restarted job did not resume with 2 ranks:\n{log[-3000:]}"
+    assert re.search(r"^1\s+2\s+600\s", log, flags=re.M), f"attempt 1 did not finish 600 steps on 2 ranks:\n{log[-3000:]}"
+    assert cluster.leftovers() == [], "docker-compose down -v left these behind"
