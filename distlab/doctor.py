@@ -30,6 +30,7 @@ NCCL writes on a timeout) and prints the same report.
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import inspect
 import json
@@ -507,16 +508,32 @@ def start_watchdog(store, rank: int, world_size: int, timeout_s: float, interval
     or when its main thread runs (``Progress``) while it is not blocked in an op. So rank 1
     waiting in a barrier while rank 0 writes a checkpoint, or while a busy machine deschedules
     rank 0, is not a hang; a stopped rank, or one stuck in a lock or a spin, is.
+
+    ``stop_watchdog`` ends the thread; it runs at interpreter exit (atexit) and in
+    ``launch.shutdown``: a daemon thread still inside a store call while the process tears down
+    its C++ objects aborted ranks at exit ("terminate called without an active exception", seen
+    on every multi-node run in containers, where a store call takes long enough to be caught).
+    A store that fails (its host gone at the end of the job) ends the watch quietly.
     """
+    global _WATCHDOG
     recorder = _RECORDER or install(rank)
     interval_s = interval_s or max(0.2, min(1.0, timeout_s / 4))
     progress = Progress(os.getpid(), threading.main_thread().native_id)
 
+    stop = threading.Event()
+
     def loop() -> None:
+        try:
+            watch()
+        except Exception:  # the store went away (the job is ending, or its host is gone): nothing to watch
+            if not stop.is_set():
+                print(f"distlab hang doctor (rank {rank}): the watchdog stopped: its store failed",
+                      file=sys.stderr, flush=True)
+
+    def watch() -> None:
         published, token, seen = None, None, (None, time.time())  # seen: (job counter, when it last moved)
         publisher = flight_recorder.Publisher()
-        while True:
-            time.sleep(interval_s)
+        while not stop.wait(interval_s):
             recs = recorder.records()
             blob = json.dumps(recs)
             if blob != published:
@@ -559,7 +576,24 @@ def start_watchdog(store, rank: int, world_size: int, timeout_s: float, interval
 
     thread = threading.Thread(target=loop, name="distlab-hang-watchdog", daemon=True)
     thread.start()
+    if _WATCHDOG is None:
+        atexit.register(stop_watchdog)
+    _WATCHDOG = (thread, stop)
     return thread
+
+
+_WATCHDOG: tuple[threading.Thread, threading.Event] | None = None
+
+
+def stop_watchdog(timeout_s: float = 5.0) -> None:
+    """End this process's watchdog thread, waiting up to ``timeout_s`` for a store call in flight."""
+    global _WATCHDOG
+    if _WATCHDOG is not None:
+        thread, stop = _WATCHDOG
+        stop.set()
+        if thread is not threading.current_thread():
+            thread.join(timeout_s)
+        _WATCHDOG = None
 
 
 # --------------------------------------------------------------------------- python -m distlab.doctor

@@ -736,8 +736,10 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
     if hang_timeout_s:
         doctor.install(rank)
         # A connection of its own: the watchdog must not queue behind a store call the rank is stuck in.
+        # Its calls take milliseconds; a short timeout bounds the wait for one in flight at exit.
         own = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                            timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+                            timeout=timedelta(seconds=min(timeout_s, max(10.0, hang_timeout_s))),
+                            wait_for_workers=False)
         doctor.start_watchdog(dist.PrefixStore(f"distlab/attempt_{attempt}/doctor", own), rank, world_size,
                               hang_timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
@@ -753,6 +755,7 @@ def shutdown() -> None:
     Unreachable objects that still hold communication state (a DDP reducer in a
     reference cycle, a pending send) are collected first, while the group exists.
     """
+    doctor.stop_watchdog()  # before the group and its store go: a watch mid-call would abort the rank at exit
     gc.collect()
     if dist.is_initialized() and not _IN_RUN_DISTRIBUTED:
         dist.destroy_process_group()

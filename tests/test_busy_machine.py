@@ -165,3 +165,22 @@ def test_a_demo_writes_its_todo_line_in_one_write(capfd):
         sys.stderr = real
     assert info.value.code == TODO_EXIT_CODE
     assert len(writes) == 1 and writes[0].startswith("TODO 1.1") and writes[0].endswith("\n"), writes
+
+
+def _worker_watchdog_stops(rank, world_size, store_path):
+    import atexit
+
+    from distlab import doctor
+
+    thread = doctor.start_watchdog(dist.FileStore(store_path, world_size), rank, world_size, timeout_s=30)
+    dist.barrier()
+    doctor.stop_watchdog()  # what shutdown() and the atexit handler do
+    return thread.is_alive(), atexit.unregister(doctor.stop_watchdog) is None
+
+
+def test_the_watchdog_thread_ends_before_the_process_does(tmp_path):
+    """A daemon watchdog still inside a store call while the process tore down its C++ objects aborted
+    every rank of a multi-node run at exit ("terminate called without an active exception"):
+    stop_watchdog ends the thread, and init_from_env's ranks run it at exit and in shutdown()."""
+    for alive, _ in run_distributed(_worker_watchdog_stops, 2, str(tmp_path / "store"), timeout_s=60, hang_s=0):
+        assert not alive, "the watchdog thread outlived stop_watchdog()"
