@@ -15,10 +15,10 @@ ranks' records into one table whose first lines name the culprit:
     rank 3 never entered all_reduce #17 (4 KiB) on WORLD (it returned after barrier #16);
     ranks 0-2 waiting since 12.3 s
 
-``run_distributed`` reads the files when every rank has been idle for a few seconds
-(and on any timeout or crash); under torchrun, ``start_watchdog`` (started by
-``init_from_env`` when DISTLAB_HANG_TIMEOUT is set) publishes the records to the
-rendezvous store and prints the table when a rank stays blocked that long.
+``run_distributed`` reads the files when no rank has made progress for a few seconds
+(``Progress``; and on any timeout or crash); under torchrun, ``start_watchdog`` (started by
+``init_from_env``, on unless DISTLAB_HANG_TIMEOUT=0) publishes the records to the
+rendezvous store and prints the table when a rank stays blocked and no rank progresses that long.
 
 The wrappers never see the collectives torch issues itself (DDP's gradient all-reduces):
 PyTorch's flight recorder does (``distlab.flight_recorder``). Each rank also publishes its
@@ -154,10 +154,10 @@ def read_flight_recorder(path: str) -> dict | None:
 
 # --------------------------------------------------------------------------- progress
 def thread_stat(pid: int, tid: int | None = None) -> tuple[str, int]:
-    """(state letter, CPU clock ticks used) of thread ``tid`` of ``pid`` (its main thread by default),
-    from /proc; ("", 0) when it is gone or there is no /proc."""
+    """(state letter, CPU clock ticks used) of process ``pid`` (all its threads), or of its thread
+    ``tid`` alone, from /proc; ("", 0) when it is gone or there is no /proc."""
     try:
-        with open(f"/proc/{pid}/task/{tid or pid}/stat") as f:
+        with open(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return "", 0
@@ -176,10 +176,10 @@ class Progress:
     """
 
     def __init__(self, pid: int, tid: int | None = None) -> None:
-        self.pid, self.tid = pid, tid
-        self.seen: tuple[int, int] | None = None
+        self.pid, self.tid = pid, tid or pid  # the main thread's id is the process's
+        self.seen: tuple[int, object] | None = None
 
-    def moved(self, last_op: int) -> bool:
+    def moved(self, last_op: object) -> bool:
         state, ticks = thread_stat(self.pid, self.tid)
         seen, self.seen = self.seen, (ticks, last_op)
         if state in ("", "T", "t", "Z", "X"):

@@ -18,7 +18,8 @@ one launcher every test and demo uses, and it keeps the promises a course needs:
   SIGKILL (a thread watching the launcher's pipe; the kernel's parent-death signal wakes
   a stopped rank), and so do the helper processes it started, in any session;
 * says who hangs: every rank records its last communication ops (``distlab.doctor``);
-  when all ranks sit idle for ``hang_s`` seconds, or on a timeout or a crash, the
+  when no rank has made progress for ``hang_s`` seconds (``doctor.Progress``: a slow
+  rank on a busy machine is progress), or on a timeout or a crash, the
   records are merged into one table that names the rank that never arrived and the op
   the others wait in ("rank 1 never entered all_reduce #3 (16 B) on WORLD ..."); PyTorch's
   flight recorder fills in the collectives torch issues itself (DDP's all-reduces).
@@ -224,17 +225,7 @@ def kill_process_tree(root: int | None = None, marker: str | None = None) -> lis
 
 def _alive(pid: int) -> bool:
     """Running or stopped (a zombie counts as gone: it only waits to be reaped)."""
-    return _proc_stat(pid)[0] not in ("", "Z", "X")
-
-
-def _proc_stat(pid: int) -> tuple[str, float]:
-    """(state letter, CPU seconds used) from /proc/PID/stat; ("", 0) when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return "", 0.0
-    return fields[0], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return doctor.thread_stat(pid)[0] not in ("", "Z", "X")
 
 
 def marked_environ(marker: str) -> dict[str, str]:
@@ -514,7 +505,7 @@ def _run_distributed_once(fn: Callable[..., Any], world_size: int, *args: Any, b
         for p in procs:
             if p.is_alive():
                 p.terminate()
-                if p.pid and _proc_stat(p.pid)[0] in ("T", "t"):  # stopped: SIGTERM waits for SIGCONT
+                if p.pid and doctor.thread_stat(p.pid)[0] in ("T", "t"):  # stopped: SIGTERM waits for SIGCONT
                     p.kill()
         for p in procs:
             p.join(timeout=2)
@@ -543,7 +534,7 @@ class _Watch:
     def states(self, finished: dict[int, str]) -> dict[int, str]:
         out = dict(finished)
         for rank, p in enumerate(self.procs):
-            if rank not in out and p.pid and _proc_stat(p.pid)[0] in ("T", "t"):
+            if rank not in out and p.pid and doctor.thread_stat(p.pid)[0] in ("T", "t"):
                 out[rank] = "stopped (SIGSTOP?)"
         return out
 

@@ -1,7 +1,7 @@
 """The hang doctor: each classic hang is named, with its culprit, within seconds (not at the timeout).
 
-Every case runs under ``run_distributed`` with a 30 s deadline (process-group timeout
-15 s) and ``hang_s=1``: the diagnosis must come from the doctor's watch of idle ranks or
+Every case runs under ``run_distributed`` with a 30 s deadline (the process group's timeout
+too) and ``hang_s=1``: the diagnosis must come from the doctor's watch of stalled ranks or
 from the crash it explains, never from a timeout, and it must name the rank to blame.
 
 Hangs inside torch's own DistributedDataParallel are named from PyTorch's flight recorder
