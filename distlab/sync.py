@@ -47,6 +47,30 @@ def broadcast_module(module: nn.Module, group: dist.ProcessGroup | None = None, 
     broadcast_tensors(tensors, group)
 
 
+def broadcast_buffers_in_forward(module: nn.Module, group: dist.ProcessGroup | None = None) -> list:
+    """torch DDP's ``broadcast_buffers=True`` for a module no wrapper owns (ZeRO-1/2 shard in the optimizer).
+
+    Group rank 0's buffers (BatchNorm's running statistics) overwrite every rank's now and before
+    a forward whenever the previous forward ran with gradients enabled and synchronised (torch's
+    ``require_forward_param_sync``). A bare module has no ``no_sync()``: nanoGPT's spelling,
+    ``module.require_backward_grad_sync = False``, marks a forward as not synchronised. So an
+    evaluation under ``no_grad`` and the micro-batch after a non-synchronised one keep this rank's.
+    Returns the hooks' handles (``.remove()`` them to stop).
+    Collective: every rank of ``group`` runs the same forwards. Cost: |buffers| bytes per broadcast.
+    """
+    synced = [True]  # torch starts with require_forward_param_sync = True
+
+    def before(m: nn.Module, args: Any) -> None:
+        if synced[0]:
+            broadcast_tensors(m.buffers(), group)
+
+    def after(m: nn.Module, args: Any, out: Any) -> None:
+        synced[0] = torch.is_grad_enabled() and bool(getattr(m, "require_backward_grad_sync", True))
+
+    broadcast_tensors(module.buffers(), group)  # DDP's construction syncs buffers with the parameters
+    return [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+
+
 def allreduce_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None,
                         average: bool = True) -> None:
     """Replace every ``p.grad`` by its sum (``average``: its mean) over the ranks of ``group``.

@@ -51,7 +51,7 @@ from distlab.flat_buckets import (bucket_layout, check_sharded_state, chunk_stat
                                   group_params, make_flat_bucket)
 from distlab.meters import MemoryMeter, OverlapMeter, nbytes
 from distlab.offload import OffloadedShards
-from distlab.sync import broadcast_tensors
+from distlab.sync import broadcast_buffers_in_forward, broadcast_tensors
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -66,6 +66,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         max_in_flight: stage 2: reduce-scatters in flight at once. group: None for WORLD.
         offload_device: None, or where the optimizer keeps its copies of my chunks, its
             state and takes its step (``"cpu"``: ZeRO-Offload).
+        module: the model whose parameters these are: its buffers (BatchNorm's running statistics)
+            are broadcast from group rank 0 before forwards as torch's DDP does around a
+            ``ZeroRedundancyOptimizer`` (``broadcast_buffers=True``; see
+            ``distlab.sync.broadcast_buffers_in_forward``). None: each rank keeps its own buffers.
         **defaults: passed to ``optimizer_class`` (lr, weight_decay, ...).
 
     ``param_groups``/``state`` are the inner optimizer's (my chunks): LR schedulers work.
@@ -80,11 +84,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, optimizer_class: type[torch.optim.Optimizer], *, stage: int = 1,
                  bucket_size_mb: float = 25.0, max_in_flight: int = 2, group: dist.ProcessGroup | None = None,
-                 offload_device: str | torch.device | None = None, **defaults: Any) -> None:
+                 offload_device: str | torch.device | None = None, module: nn.Module | None = None,
+                 **defaults: Any) -> None:
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (stage 3 is FullyShardedDataParallel), got {stage}")
         if isinstance(params, nn.Module):  # like any torch optimizer
-            raise ValueError("ZeroOptimizer takes parameters, not a module: pass model.parameters()")
+            raise ValueError("ZeroOptimizer takes parameters, not a module: pass model.parameters() "
+                             "(and module=model to broadcast its buffers as torch's DDP does)")
         groups = list(params)
         groups = groups if groups and isinstance(groups[0], dict) else [{"params": groups}]
         groups = [{**g, "params": list(g["params"])} for g in groups]
@@ -108,6 +114,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._offloaded is not None:  # the inner optimizer steps on copies of my chunks there
             inner_groups = self._offloaded.param_groups(inner_groups)
         self.optimizer = optimizer_class(inner_groups, **defaults)
+        # A bare module: nothing but this makes the replicas' buffers agree, as DDP does for torch's ZeRO.
+        self._buffer_hooks = [] if module is None else broadcast_buffers_in_forward(module, group)
         if self._offloaded is not None:
             self._offloaded.attach(self.optimizer)
         super().__init__(self.optimizer.param_groups, self.optimizer.defaults)
