@@ -83,6 +83,36 @@ def _check_integrity(module: ModuleType, path: Path) -> None:
                                  "only (the exercise scores 0 until it implements the TODO itself)")
 
 
+REFUSED = "the exercise scores 0 until the template implements its TODOs itself"
+
+
+def _refuse_unless_clean(path: Path, phase: str, name: str) -> None:
+    """The static rules of distlab/isolation.py, before a line of the template runs."""
+    from distlab.isolation import lint
+
+    if problems := lint(path, phase, name):
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise IntegrityError(f"{problems[0]}{more}: {REFUSED}")
+
+
+def _exec_guarded(run, rel: str) -> None:
+    """Run the template's import (``run``); then refuse it if it changed the bench or imported a solution.
+
+    What it changed is put back first: a template graded in the same process as other exercises
+    must not leave its patch behind for them.
+    """
+    from distlab.isolation import BenchGuard
+
+    guard, before = BenchGuard(), set(sys.modules)
+    run()
+    changed = guard.restore()
+    reached = sorted(m for m in set(sys.modules) - before if m.split(".")[0] in ("solutions", "tests"))
+    if changed:
+        raise IntegrityError(f"{rel} changed the bench's {', '.join(changed)} when imported: {REFUSED}")
+    if reached:
+        raise IntegrityError(f"{rel} imported {reached}: {REFUSED}")
+
+
 def load(phase: str, name: str, impl: str | None = None) -> ModuleType:
     """Import the implementation of ``phase``/``name`` that the run is grading.
 
@@ -96,6 +126,14 @@ def load(phase: str, name: str, impl: str | None = None) -> ModuleType:
     dotted, rel = module_path(phase, name, impl)
     student_dir = None if explicit else os.environ.get(STUDENT_DIR_ENV)
     if not student_dir:
+        if impl == "templates" and dotted not in sys.modules:
+            path = Path(__file__).resolve().parent.parent / rel
+            _refuse_unless_clean(path, phase, name)
+            try:
+                _exec_guarded(lambda: importlib.import_module(dotted), rel)
+            except BaseException:
+                sys.modules.pop(dotted, None)  # the next load raises again
+                raise
         module = importlib.import_module(dotted)
         if impl == "templates" and dotted not in _CHECKED:
             # Once, as imported: a test may later patch a reference helper into the module.
@@ -111,11 +149,16 @@ def load(phase: str, name: str, impl: str | None = None) -> ModuleType:
     if impl == "templates" and (bad := _forbidden_imports(path)):
         raise IntegrityError(f"{rel} imports {sorted(set(bad))}: a template may use torch and distlab only "
                              "(the exercise scores 0 until it implements the TODO itself)")
+    if impl == "templates":
+        _refuse_unless_clean(path, phase, name)
     spec = importlib.util.spec_from_file_location(key, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[key] = module
     try:
-        spec.loader.exec_module(module)
+        if impl == "templates":
+            _exec_guarded(lambda: spec.loader.exec_module(module), rel)
+        else:
+            spec.loader.exec_module(module)
         if impl == "templates":
             _check_integrity(module, path)
     except BaseException:

@@ -1,0 +1,203 @@
+"""What a graded template may do: static rules checked before it runs, and a guard on the bench after.
+
+A template is graded by running it beside the tests, so a template that reaches for the
+reference solutions, the bench's given copy of its own exercise, or the tests' comparisons
+could score without implementing anything. Two checks here, called by distlab/loader.py:
+
+1. :func:`lint` reads the template's source before a line of it runs. A template may import
+   what its untouched version imports (rendered from the solution by distlab/templates.py)
+   plus a few harmless modules (torch, math, dataclasses, typing, ...). From ``distlab`` it
+   may import only the names its untouched version imports: that is the per-exercise rule
+   (``template_tp_primitives.py`` may not take ``distlab.tp``'s ready-made regions, the
+   trainer may not take ``distlab.sync``'s broadcast and all-reduce). Refused everywhere:
+   the escape hatches (exec, eval, compile, __import__, open, globals, vars, getattr with a
+   computed or dunder name, dunder attributes such as ``__code__``/``__globals__``/``__dict__``,
+   frame attributes) and assignments to what it imported (``torch.equal = ...``). A hatch the
+   untouched template itself uses (the monitoring template writes files with ``open``) stays
+   allowed in that template only; the rank's audit hook (distlab/sandbox.py) still applies.
+2. :class:`BenchGuard` remembers the functions the verdicts depend on (torch's comparisons and
+   collectives, distlab.testing's helpers, the test modules' functions) and, after a template
+   was imported or a rank ran, puts back whatever changed and names it.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import sys
+from pathlib import Path
+from types import FunctionType, ModuleType
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Imports any template may use: computation and plain data, nothing that reaches files,
+# processes, the interpreter's internals or other modules' globals.
+SAFE_MODULES = {"__future__", "torch", "math", "dataclasses", "typing", "functools", "itertools", "collections",
+                "copy", "numpy", "statistics", "random", "time", "contextlib", "warnings", "datetime", "re", "enum",
+                "abc", "operator", "heapq", "bisect", "string", "numbers", "textwrap"}
+# Never, even where the untouched template would allow it: interpreter internals and loaders.
+NEVER_MODULES = {"sys", "builtins", "importlib", "gc", "inspect", "ctypes", "runpy", "subprocess", "imp", "types",
+                 "marshal", "pickle", "code", "codeop", "pydoc", "tests", "solutions", "distlab.loader",
+                 "torch.utils.cpp_extension", "_thread", "multiprocessing", "signal", "posix"}
+HATCH_NAMES = {"exec", "eval", "compile", "__import__", "open", "globals", "locals", "vars", "breakpoint",
+               "__builtins__", "__loader__", "__spec__", "__dict__"}
+# Dunder attributes a lesson needs (methods called explicitly, names for messages); any other is refused.
+PLAIN_DUNDERS = {"__init__", "__name__", "__enter__", "__exit__", "__len__", "__iter__", "__next__", "__call__",
+                 "__repr__", "__post_init__", "__qualname__"}
+# Attributes that lead out of the template: frames, and the modules other modules hold.
+HATCH_ATTRS = {"f_back", "f_globals", "f_locals", "f_builtins", "f_code", "gi_frame", "cr_frame", "ag_frame",
+               "tb_frame", "tb_next", "sys", "builtins", "importlib", "gc", "inspect", "ctypes", "runpy",
+               "subprocess", "loader", "modules", "solutions"}
+
+
+def _module_of(node: ast.AST) -> list[tuple[str, str | None]]:
+    """(module, name) pairs an import node brings in; name None for ``import x``."""
+    if isinstance(node, ast.Import):
+        return [(a.name, None) for a in node.names]
+    if isinstance(node, ast.ImportFrom):
+        return [((node.module or ""), a.name) for a in node.names]
+    return []
+
+
+def _findings(tree: ast.AST) -> tuple[set[tuple], list[tuple[int, tuple, str]]]:
+    """(imports, uses of hatches): imports as (module, name); each hatch as (line, key, text)."""
+    imports, hatches = set(), []
+    imported_names = set()
+    for node in ast.walk(tree):
+        for module, name in _module_of(node):
+            imports.add((module, name))
+            if name == "*":
+                hatches.append((node.lineno, ("star import", module), f"`from {module} import *`"))
+            alias = next(a.asname or (a.name if name else a.name.split(".")[0]) for a in node.names
+                         if a.name == (name or module))
+            imported_names.add(alias)
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Name) and node.id in HATCH_NAMES:
+            hatches.append((line, ("name", node.id), f"`{node.id}`"))
+        elif isinstance(node, ast.Attribute):
+            dunder = node.attr.startswith("__") and node.attr.endswith("__") and node.attr not in PLAIN_DUNDERS
+            if dunder or node.attr in HATCH_ATTRS:
+                hatches.append((line, ("attribute", node.attr), f"the attribute `.{node.attr}`"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in ("getattr", "setattr", "delattr", "hasattr") and len(node.args) >= 2:
+            attr = node.args[1]
+            if not (isinstance(attr, ast.Constant) and isinstance(attr.value, str)):
+                hatches.append((line, ("computed attribute", node.func.id), f"`{node.func.id}` with a computed name"))
+            elif attr.value.startswith("__"):
+                hatches.append((line, ("attribute", attr.value), f"`{node.func.id}(..., {attr.value!r})`"))
+            if node.func.id in ("setattr", "delattr") and _root(node.args[0]) in imported_names:
+                hatches.append((line, ("patch", _root(node.args[0])),
+                                f"`{node.func.id}` on `{_root(node.args[0])}`, which it imported"))
+        targets = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for t in targets:
+            for sub in ast.walk(t):  # tuple targets too: `torch.equal, x = ...`
+                if isinstance(sub, (ast.Attribute, ast.Subscript)) and _root(sub) in imported_names:
+                    hatches.append((line, ("patch", _root(sub)),
+                                    f"an assignment to `{ast.unparse(sub)}` (a template may not change what it imports)"))
+    return imports, hatches
+
+
+def _root(node: ast.AST) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+@functools.lru_cache(maxsize=None)
+def untouched_allowance(phase: str, name: str) -> tuple[frozenset, frozenset]:
+    """(imports, hatch keys) of the untouched template (rendered from this checkout's solution) and of
+    the solution itself (a finished exercise may do what the reference does), less the solutions' imports."""
+    from distlab.templates import render
+
+    solution = REPO / "solutions" / phase / f"{name}.py"
+    imports, hatches = _findings(ast.parse(render(solution)))
+    more_imports, more_hatches = _findings(ast.parse(solution.read_text()))
+    imports |= {(m, n) for m, n in more_imports if m.split(".")[0] != "solutions"}
+    return frozenset(imports), frozenset(key for _, key, _ in hatches + more_hatches)
+
+
+def _import_allowed(module: str, name: str | None, allowed: frozenset) -> bool:
+    top = module.split(".")[0]
+    if any(module == m or module.startswith(m + ".") for m in NEVER_MODULES) or \
+            (module == "distlab" and name in ("loader", "load")):
+        return (module, name) in allowed
+    if top == "distlab":
+        return (module, name) in allowed or (module, name) == ("distlab.todo", "todo")
+    return top in SAFE_MODULES or (module, name) in allowed or any(m == module for m, _ in allowed)
+
+
+def lint(path: Path, phase: str, name: str) -> list[str]:
+    """Reasons the template at ``path`` may not be graded (empty: it may)."""
+    where = f"{phase}/template_{name}.py"
+    try:
+        tree = ast.parse(path.read_text(), str(path))
+    except SyntaxError as exc:
+        return [f"{where}:{exc.lineno}: syntax error: {exc.msg}"]
+    allowed_imports, allowed_hatches = untouched_allowance(phase, name)
+    imports, hatches = _findings(tree)
+    problems = []
+    for module, item in sorted(imports, key=str):
+        if not _import_allowed(module, item, allowed_imports):
+            what = f"from {module} import {item}" if item else f"import {module}"
+            problems.append(f"{where}: `{what}` is not allowed here (the untouched template does not import it; "
+                            "an exercise may not use the bench's given copy of itself)")
+    for line, key, text in sorted(hatches):
+        if key not in allowed_hatches:
+            problems.append(f"{where}:{line}: {text} is not allowed in a template")
+    return problems
+
+
+# --------------------------------------------------------------------------- the guard after it ran
+def _guarded() -> list[tuple[object, str, object]]:
+    """(owner, attribute, value) for every function a verdict depends on, as they are now."""
+    import torch
+    import torch.distributed as dist
+
+    from distlab import testing
+
+    owners: list[tuple[object, list[str]]] = [
+        (torch, ["equal", "allclose", "isclose", "testing"]), (torch.testing, ["assert_close"]),
+        (torch.Tensor, ["__eq__", "__ne__", "equal", "allclose", "tolist", "item", "__bool__", "all", "any"]),
+        (dist, ["all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                "get_rank", "get_world_size", "barrier", "send", "recv", "isend", "irecv"]),
+    ]
+    mods = [testing] + [m for n, m in list(sys.modules.items())
+                        if isinstance(m, ModuleType) and (n.startswith("test_") or n.startswith("tests."))]
+    for m in mods:
+        owners.append((m, [k for k, v in vars(m).items() if isinstance(v, (FunctionType, type))]))
+    return [(o, a, _current(o, a)) for o, names in owners for a in names]
+
+
+_MISSING = object()
+
+
+def _current(owner: object, attr: str) -> object:
+    # A class's own entry, not an inherited one: torch.Tensor.__eq__ lives on its C base class.
+    return owner.__dict__.get(attr, _MISSING) if isinstance(owner, type) else getattr(owner, attr, _MISSING)
+
+
+class BenchGuard:
+    """Snapshot the bench's verdict functions; :meth:`restore` puts changes back and names them."""
+
+    def __init__(self) -> None:
+        self.values = _guarded()
+        self.codes = {id(v): (v, v.__code__) for _, _, v in self.values if isinstance(v, FunctionType)}
+
+    def restore(self) -> list[str]:
+        changed = []
+        for owner, attr, value in self.values:
+            if _current(owner, attr) is not value:
+                if value is _MISSING:
+                    delattr(owner, attr)
+                else:
+                    setattr(owner, attr, value)
+                changed.append(f"{getattr(owner, '__name__', owner)}.{attr}")
+        for fn, code in self.codes.values():
+            if fn.__code__ is not code:
+                fn.__code__ = code
+                changed.append(f"{fn.__module__}.{fn.__qualname__}.__code__")
+        return changed
