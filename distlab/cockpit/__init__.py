@@ -1,0 +1,13 @@
+"""The learner's cockpit: ``python -m distlab`` (or the ``distlab`` command).
+
+    distlab status          every exercise, its state and points; a progress bar per phase
+    distlab next            the first unfinished exercise: its TODO (file:line), guideline, command
+    distlab check 1.1       run exactly that exercise's tests on your templates; one line per test
+    distlab hint 1.1        the next hint you have not seen yet, one at a time
+    distlab watch           re-check the current exercise whenever you save its template
+    distlab reset 1.1       put a TODO region back to its stub (your code is kept in .distlab/reset/)
+
+Modules: ``course`` (exercises, TODO regions, tests, the state file), ``checks`` (running
+pytest for one exercise), ``hints``, ``cli`` (the commands), ``warm`` (a pytest plugin that
+starts the rank launcher while pytest collects).
+"""

@@ -1,0 +1,199 @@
+"""The cockpit's commands: status, next, check, hint, watch, reset (``python -m distlab --help``)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Callable, TextIO
+
+from distlab.cockpit import checks, course
+from distlab.cockpit.course import Exercise
+
+BAR = 20
+
+
+def _command(ex: Exercise) -> str:
+    return f"python -m distlab check {ex.key}"
+
+
+def status(root: Path, out: TextIO) -> None:
+    """Every exercise of every phase: state and points from the last check; a bar per phase."""
+    state = course.load_state(root)
+    phases: OrderedDict[int, list[Exercise]] = OrderedDict()
+    for ex in course.exercises():
+        phases.setdefault(ex.phase, []).append(ex)
+    for phase, exs in phases.items():
+        got = sum(state["checks"].get(ex.name, {}).get("points", 0.0) for ex in exs
+                  if not state["checks"].get(ex.name, {}).get("partial"))
+        total = sum(ex.weight for ex in exs)
+        states = [course.exercise_state(ex, root, state) for ex in exs]
+        done = round(BAR * got / total) if total else 0
+        print(f"Phase {phase}  [{'#' * done}{'.' * (BAR - done)}]  {got:g}/{total:g} points, "
+              f"{sum(s == 'passing' for s in states)} of {len(exs)} exercises passing", file=out)
+        for ex, st in zip(exs, states):
+            last = state["checks"].get(ex.name)
+            tests = f"{last['passed']}/{last['total']} tests" if last else ""
+            print(f"  {ex.name:<48} {st:<24} {tests:<12} {last['points'] if last else 0:g}/{ex.weight:g}", file=out)
+
+
+def first_unfinished(root: Path) -> Exercise | None:
+    state = course.load_state(root)
+    return next((ex for ex in course.exercises() if course.exercise_state(ex, root, state) != "passing"), None)
+
+
+def next_(root: Path, out: TextIO) -> Exercise | None:
+    """The first exercise not passing: its TODO regions (file:line), guideline sections, the command."""
+    ex = first_unfinished(root)
+    if ex is None:
+        print("every exercise passes: nothing left to do", file=out)
+        return None
+    print(f"next: {ex.name} ({ex.weight:g} points, "
+          f"{course.exercise_state(ex, root, course.load_state(root))})", file=out)
+    for r in course.regions_of(ex, root):
+        print(f"  TODO {r.id} {r.title}: {r.path.as_posix()}:{r.line}   (read {r.where})", file=out)
+    print(f"  check it:  {_command(ex)}", file=out)
+    print(f"  a hint:    python -m distlab hint {ex.key}", file=out)
+    return ex
+
+
+def check(ident: str, root: Path, out: TextIO, trace_dir: Path | None = None) -> dict:
+    ex = course.find(ident)
+    print(f"checking {ex.name} on your templates ...", file=out, flush=True)
+    result = checks.run_check(ex, root, trace_dir)
+    for line in checks.verdict_lines(ex, result):
+        print(line, file=out)
+    if trace_dir is not None:
+        from distlab.trace import merge
+
+        merged = merge(trace_dir)
+        print(f"trace: {merged} (open it in https://ui.perfetto.dev)" if merged else
+              f"trace: no rank wrote one under {trace_dir}", file=out)
+    return result
+
+
+def hint(ident: str, root: Path, out: TextIO, again: bool = False) -> str | None:
+    """The next hint of the exercise the learner has not seen (remembered in the state file)."""
+    from distlab.cockpit.hints import hints
+
+    ex = course.find(ident)
+    all_ = hints(ex, root)
+    state = course.load_state(root)
+    seen = 0 if again else state["hints"].get(ex.name, 0)
+    if not all_:
+        print(f"{ex.name} has no hints in its guidelines", file=out)
+        return None
+    if seen >= len(all_):
+        print(f"you have seen all {len(all_)} hints of {ex.name}; `python -m distlab hint {ex.key} --again` "
+              "starts over", file=out)
+        return None
+    todo_id, text = all_[seen]
+    print(f"hint {seen + 1} of {len(all_)} for {ex.name} (TODO {todo_id}):\n{text}", file=out)
+    state["hints"][ex.name] = seen + 1
+    course.save_state(root, state)
+    return text
+
+
+def reset(ident: str, root: Path, out: TextIO) -> list[Path]:
+    """A TODO id resets that region; an exercise's key ("1.1-1.3") resets all of its regions."""
+    from distlab.cockpit.reset import reset as reset_region
+
+    ex = course.find(ident)
+    regions = course.regions_of(ex, root)
+    if ident.strip() in (ex.key, ex.name):
+        chosen = regions
+    else:
+        chosen = [r for r in regions if r.id == ident] or [r for r in regions if r.base == ident]
+    kept = []
+    for r in chosen:
+        kept.append(reset_region(r, root))
+        print(f"TODO {r.id} in {r.path.as_posix()} is its stub again; your code was kept in "
+              f"{kept[-1].relative_to(root).as_posix()}", file=out)
+    state = course.load_state(root)
+    state["checks"].pop(ex.name, None)  # its last verdict was about code that is gone
+    course.save_state(root, state)
+    return kept
+
+
+def watch(root: Path, out: TextIO, ident: str | None = None, interval_s: float = 0.5, max_checks: int | None = None,
+          clear: bool = True, on_check: Callable[[dict], None] | None = None) -> int:
+    """Check the current exercise now and whenever its template changes; move on when it passes.
+
+    Polls the template files' modification time and size every ``interval_s`` (no file-watch
+    dependency). Returns the number of checks run; stops after ``max_checks`` (tests) or Ctrl-C.
+    """
+    ex = course.find(ident) if ident else first_unfinished(root)
+    runs, seen = 0, None
+    try:
+        while ex is not None and (max_checks is None or runs < max_checks):
+            now = course.fingerprint(ex, root)
+            if now == seen:
+                time.sleep(interval_s)  # polling: the next look at the file's mtime
+                continue
+            seen = now
+            if clear and out.isatty():
+                out.write("\033[2J\033[H")  # one screen: the latest verdict only
+            result = check(ex.key, root, out)
+            runs += 1
+            if on_check:
+                on_check(result)
+            if checks.passed(result):
+                ex = first_unfinished(root)
+                print(f"\n{ex.name if ex else 'nothing'} is next" + (f": {_command(ex)}" if ex else ""), file=out)
+                seen = None
+            else:
+                print(f"\nwatching {', '.join(p for p, _, _ in seen)}: save to check again (Ctrl-C stops)", file=out)
+            out.flush()
+    except KeyboardInterrupt:
+        pass
+    return runs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m distlab", description="The learner's cockpit.")
+    parser.add_argument("--root", type=Path, default=None,
+                        help="your checkout (default: the one around the current folder)")
+    # --root also after the command (`check 1.1 --root DIR`); SUPPRESS keeps the main parser's value
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--root", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("status", parents=[common], help="every exercise, its state and points; a progress bar per phase")
+    sub.add_parser("next", parents=[common], help="the first unfinished exercise: TODO file:line, guideline, command")
+    p = sub.add_parser("check", parents=[common], help="run exactly that exercise's tests on your templates")
+    p.add_argument("id", help="an exercise (1.1-1.3) or one of its TODO ids (1.2)")
+    p.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                   help="write a Perfetto/Chrome trace of every world the tests start to DIR/trace.json")
+    p = sub.add_parser("hint", parents=[common], help="the next hint you have not seen")
+    p.add_argument("id")
+    p.add_argument("--again", action="store_true", help="start from the first hint")
+    p = sub.add_parser("watch", parents=[common], help="re-check the current exercise whenever you save its template")
+    p.add_argument("id", nargs="?", default=None, help="default: the first unfinished exercise")
+    p.add_argument("--interval", type=float, default=0.5, help="seconds between looks at the file")
+    p.add_argument("--max-checks", type=int, default=None, help="stop after this many checks")
+    p = sub.add_parser("reset", parents=[common], help="put a TODO region (1.2) or all of an exercise's (1.1-1.3) back to its stub")
+    p.add_argument("id")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    root = (args.root or course.learner_root()).resolve()
+    out = sys.stdout
+    try:
+        if args.command == "status":
+            status(root, out)
+        elif args.command == "next":
+            next_(root, out)
+        elif args.command == "check":
+            return 0 if checks.passed(check(args.id, root, out, args.trace)) else 1
+        elif args.command == "hint":
+            hint(args.id, root, out, args.again)
+        elif args.command == "watch":
+            watch(root, out, args.id, args.interval, args.max_checks)
+        elif args.command == "reset":
+            reset(args.id, root, out)
+    except ValueError as exc:
+        print(f"distlab {args.command}: {exc}", file=sys.stderr)
+        return 2
+    return 0
