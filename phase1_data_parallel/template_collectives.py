@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distlab import p2p
+from distlab import p2p  # noqa: F401 (p2p: for TODO 1.1)
 from distlab.comm import check_reduce_op
 from distlab.sync import group_root
 from distlab.todo import todo
@@ -43,7 +43,7 @@ def allreduce_reduce_broadcast(tensor: torch.Tensor, op: str = "sum",
     Cost: root sends (W-1)N and receives (W-1)N bytes; other ranks N each way.
     """
     check_reduce_op(op, tensor)
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)  # noqa: F841 (rank, world_size: for TODO 1.1)
     # --- TODO 1.1: all-reduce by reduce + broadcast ---
     # Goal: every rank of `group` ends with the sum ("avg": the mean) of all ranks' `tensor`,
     # written into `tensor`, using only point-to-point messages with group rank 0 as the hub.
@@ -66,7 +66,7 @@ def allreduce_allgather_sum(tensor: torch.Tensor, op: str = "sum",
     """
     check_reduce_op(op, tensor)
     world_size = dist.get_world_size(group)
-    gathered = [torch.empty_like(tensor) for _ in range(world_size)]
+    gathered = [torch.empty_like(tensor) for _ in range(world_size)]  # noqa: F841 (gathered: for TODO 1.2)
     # --- TODO 1.2: all-reduce by all-gather + local sum ---
     # Goal: every rank collects all W tensors into `gathered` with one collective, then
     # reduces them itself; `tensor` ends as the sum ("avg": mean), bitwise equal on all ranks.
@@ -86,9 +86,9 @@ def allreduce_gather_scatter(tensor: torch.Tensor, op: str = "sum",
     """
     check_reduce_op(op, tensor)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    root = group_root(group)  # collectives' dst=/src= take global ranks
+    root = group_root(group)  # collectives' dst=/src= take global ranks  # noqa: F841 (root: for TODO 1.3)
     data = tensor.contiguous()
-    gathered = [torch.empty_like(data) for _ in range(world_size)] if rank == 0 else None
+    gathered = [torch.empty_like(data) for _ in range(world_size)] if rank == 0 else None  # noqa: F841 (gathered: for TODO 1.3)
     result = torch.empty_like(data)
     # --- TODO 1.3: all-reduce by gather + scatter ---
     # Goal: the same result as 1.1, with two collectives instead of point-to-point: bring

@@ -18,10 +18,10 @@ Run the demo, which prints each rank's shard per epoch: ``RUN_MODE=train ./entry
 """
 from __future__ import annotations
 
-import math
+import math  # noqa: F401 (math: for TODO 1.4, 1.5)
 from typing import Iterator, Sized
 
-import torch
+import torch  # noqa: F401 (torch: for TODO 1.5)
 from torch.utils.data import DataLoader, Dataset, Sampler
 from distlab.todo import todo
 
@@ -54,7 +54,7 @@ class DistributedSampler(Sampler[int]):
         self.seed = seed
         self.drop_last = drop_last
         self.epoch = 0
-        n = len(dataset)
+        n = len(dataset)  # noqa: F841 (n: for TODO 1.4)
         # --- TODO 1.4: sampler sizes ---
         # Set self.num_samples (how many indices this rank yields) and self.total_size (the
         # length of the padded or trimmed index list, = num_samples * W). Every rank must get
@@ -64,7 +64,7 @@ class DistributedSampler(Sampler[int]):
         # --- end TODO 1.4 ---
 
     def __iter__(self) -> Iterator[int]:
-        n = len(self.dataset)
+        n = len(self.dataset)  # noqa: F841 (n: for TODO 1.5)
         # --- TODO 1.5: sampler indices ---
         # Return an iterator over this rank's num_samples indices. All ranks start from one
         # order they compute alike with no communication (a permutation that depends only on

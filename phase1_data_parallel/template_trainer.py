@@ -58,7 +58,7 @@ def allreduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = None
     Collective: every rank must call it with the same set of gradients present.
     Cost: one all-reduce per parameter with a gradient; |grads| bytes in all.
     """
-    world_size = dist.get_world_size(group)
+    world_size = dist.get_world_size(group)  # noqa: F841 (world_size: for TODO 1.7)
     # --- TODO 1.7: all-reduce gradients ---
     # Goal: afterwards every `p.grad` holds the mean over the ranks of `group` of that
     # gradient, in place; parameters without a gradient are left alone, and each parameter
@@ -77,7 +77,7 @@ def sync_buffers(model: nn.Module, group: dist.ProcessGroup | None = None) -> No
     Collective: every rank of ``group`` must call it.
     Cost: |floating buffers| bytes.
     """
-    world_size = dist.get_world_size(group)
+    world_size = dist.get_world_size(group)  # noqa: F841 (world_size: for TODO 1.8)
     with torch.no_grad():
         # --- TODO 1.8: average BatchNorm buffers ---
         # Goal: every floating-point buffer ends as its mean over the ranks of `group`, in place;

@@ -59,7 +59,7 @@ class CheckpointFunction(torch.autograd.Function):
     def backward(ctx, *grad_outputs: torch.Tensor):
         # Fresh leaves: the recomputed graph must end here, not run on into the
         # graph before the block (that part is the outer backward's job).
-        inputs = [a.detach().requires_grad_(a.requires_grad) for a in ctx.saved_tensors]
+        inputs = [a.detach().requires_grad_(a.requires_grad) for a in ctx.saved_tensors]  # noqa: F841 (inputs: for TODO 2.7)
         # --- TODO 2.7: checkpoint backward ---
         # Goal: rerun the block on `inputs` with the forward's random numbers and autocast
         # state (and leave the caller's RNG as it was afterwards), backpropagate grad_outputs

@@ -113,10 +113,10 @@ class DynamicLossScaler:
             raise RuntimeError("unscale_() was already called since the last update()")
         self._optimizer = optimizer
         # GradScaler multiplies by a float32 reciprocal; for powers of two it is exact.
-        inv_scale = 1.0 / self.scale_value
+        inv_scale = 1.0 / self.scale_value  # noqa: F841 (inv_scale: for TODO 2.3)
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         device = _comm_device(self.group) if dist.is_initialized() else (grads[0].device if grads else "cpu")
-        found = torch.zeros(1, device=device)
+        found = torch.zeros(1, device=device)  # noqa: F841 (found: for TODO 2.3)
         # --- TODO 2.3: unscale and agree on overflow ---
         # Goal: multiply every gradient in `grads` by inv_scale, in place (even after an overflow,
         # as GradScaler does), and set self.found_inf to whether any gradient on ANY rank of
@@ -171,7 +171,7 @@ def allreduce_gradients_fp32(model: nn.Module, group: dist.ProcessGroup | None =
     Collective: every rank of ``group`` must call it.
     Cost: |params| x 4 bytes per step (fp32), not x 2.
     """
-    world_size = dist.get_world_size(group)
+    world_size = dist.get_world_size(group)  # noqa: F841 (world_size: for TODO 2.5a)
     for p in model.parameters():
         if p.grad is None:
             continue
@@ -214,5 +214,5 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler,
     # --- end TODO 2.5b ---
     # The scale backs off exactly when the step was skipped (GradScaler.step returns
     # None either way, so ask the scale).
-    return loss.detach(), scaler.get_scale() >= scale
+    return loss.detach(), scaler.get_scale() >= scale  # noqa: F821 (loss, scale: set by TODO 2.5b)
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab import p2p
+from distlab import p2p  # noqa: F401 (p2p: for TODO 2.10, 2.11)
 from distlab.todo import todo
 
 
@@ -48,9 +48,9 @@ def forward_stage(module: nn.Module, x: torch.Tensor | None, recv_shape: tuple[i
     Collective: every stage of ``group`` calls it, in order (each waits for its predecessor).
     Cost: stage s < p-1 sends its output once (|activation| bytes); stage s > 0 receives once.
     """
-    stage, num_stages = dist.get_rank(group), dist.get_world_size(group)
+    stage, num_stages = dist.get_rank(group), dist.get_world_size(group)  # noqa: F841 (num_stages: for TODO 2.10)
     device = next(module.parameters()).device
-    buf = torch.empty(recv_shape, dtype=dtype, device=device) if stage > 0 else None
+    buf = torch.empty(recv_shape, dtype=dtype, device=device) if stage > 0 else None  # noqa: F841 (buf: for TODO 2.10)
     # --- TODO 2.10: model split forward ---
     # Goal: return (inp, out): this stage's input and its layers' output. Stage 0's input
     # is `x`; any other stage's comes from stage - 1 (into `buf`) and must let backward
@@ -59,7 +59,7 @@ def forward_stage(module: nn.Module, x: torch.Tensor | None, recv_shape: tuple[i
     # stages are group ranks (`p2p.send(t, stage + 1, group)`, `p2p.recv(buf, stage - 1, group)`).
     raise todo("2.10 model split forward", "guidelines_model_parallel.md#naive-model-split")
     # --- end TODO 2.10 ---
-    return inp, out
+    return inp, out  # noqa: F821 (inp, out: set by TODO 2.10)
 
 
 def backward_stage(inp: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
@@ -70,7 +70,7 @@ def backward_stage(inp: torch.Tensor, out: torch.Tensor, group: dist.ProcessGrou
     Cost: stage s > 0 sends dL/d(input) once; stage s < p-1 receives dL/d(output) once.
     """
     stage, num_stages = dist.get_rank(group), dist.get_world_size(group)
-    grad = torch.empty_like(out) if stage < num_stages - 1 else None  # dL/d(out), from stage + 1
+    grad = torch.empty_like(out) if stage < num_stages - 1 else None  # dL/d(out), from stage + 1  # noqa: F841 (grad: for TODO 2.11)
     # --- TODO 2.11: model split backward ---
     # Goal: fill the .grad of this stage's parameters as the unsplit model's backward would.
     # The last stage starts from its scalar loss; the others need dL/d(out) from stage + 1.

@@ -174,7 +174,7 @@ def gpipe(stage: PipelineStage, inputs: list, targets: list, loss_fn: Callable) 
     Collective: every stage of ``stage.group`` must run the same schedule with the same m.
     Cost: per stage boundary, m activations forward and m gradients backward.
     """
-    m = len(inputs)
+    m = len(inputs)  # noqa: F841 (m: for TODO 2.12)
     # --- TODO 2.12: GPipe schedule ---
     # Goal: every one of the m micro-batches forward through this stage, and only then every
     # backward, each in micro-batch order (the neighbours' messages arrive in that order).
@@ -190,7 +190,7 @@ def one_f_one_b(stage: PipelineStage, inputs: list, targets: list, loss_fn: Call
     Peak: min(p - s, m) micro-batches in flight on stage s (at most p).
     Equivalent to / Collective / Cost: as ``gpipe``.
     """
-    m, p, s = len(inputs), stage.num_stages, stage.stage_id
+    m, p, s = len(inputs), stage.num_stages, stage.stage_id  # noqa: F841 (m, p, s: for TODO 2.13)
     # --- TODO 2.13: 1F1B schedule ---
     # Goal: the same m forwards and m backwards as GPipe, reordered so that stage s never
     # holds more than min(p - s, m) micro-batches in flight: fill the pipeline just enough,
@@ -210,9 +210,9 @@ def interleaved_1f1b(stage: PipelineStage, inputs: list, targets: list, loss_fn:
     Equivalent to / Collective: as ``gpipe``; m must be a multiple of p.
     Cost: per rank, v times the point-to-point messages of 1F1B (each v times smaller work).
     """
-    p, v, s, m = stage.num_stages, stage.num_chunks, stage.stage_id, len(inputs)
+    p, v, s, m = stage.num_stages, stage.num_chunks, stage.stage_id, len(inputs)  # noqa: F841 (s: for TODO 2.14)
     check_divisible(m, p, "interleaved 1F1B: the number of micro-batches", "the number of stages")
-    total = m * v  # (chunk, micro-batch) forwards on this rank, and as many backwards
+    total = m * v  # (chunk, micro-batch) forwards on this rank, and as many backwards  # noqa: F841 (total: for TODO 2.14)
     # --- TODO 2.14: interleaved 1F1B schedule ---
     # Goal: 1F1B over this rank's `total` (chunk, micro-batch) pairs. Forwards take p
     # micro-batches through chunk 0, the same p through chunk 1, ..., then the next p; the

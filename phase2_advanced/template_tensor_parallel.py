@@ -22,12 +22,12 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: F401 (F: for TODO 2.17a, 2.17b, 2.18a, 2.18b, 2.19a, 2.20)
 
 from distlab.models import MLP, Block, CausalSelfAttention, TinyGPT
 from distlab.sync import check_divisible
 from distlab.tp import load_shards, mark_sharded
-from distlab.tp import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region
+from distlab.tp import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region  # noqa: F401 (copy_to_region: for TODO 2.17a, 2.18a, 2.18b, 2.20; gather_from_region: for TODO 2.17a; reduce_from_region: for TODO 2.17b, 2.18a, 2.18b, 2.19a, 2.19b; scatter_to_region: for TODO 2.17b)
 from distlab.todo import todo
 
 
@@ -210,7 +210,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     none backward (instead of an all-gather of N*V logits).
     """
     local_vocab = logits.shape[-1]
-    start = dist.get_rank(group) * local_vocab
+    start = dist.get_rank(group) * local_vocab  # noqa: F841 (start: for TODO 2.19b)
     # --- TODO 2.19b: vocab-parallel cross-entropy ---
     # Goal: log(sum_v exp z_v) - z_target per token from this rank's slice, stable (shift by the
     # max over the WHOLE vocabulary); at most three reductions of N values, never the N*V logits.

@@ -70,9 +70,9 @@ def halving_doubling_allreduce(tensor: torch.Tensor, op: str = "sum",
         # p blocks (tensor_split's sizes); block b ends up fully reduced on rank b.
         sizes = [b.numel() for b in flat.tensor_split(p)]
         starts = [sum(sizes[:b]) for b in range(p + 1)]
-        span = lambda lo, hi: (starts[lo], starts[hi])  # blocks [lo, hi) -> elements
-        lo, hi = 0, p  # the blocks this rank is still responsible for
-        buf = torch.empty(starts[max(1, p // 2)], dtype=flat.dtype, device=flat.device)  # the larger half
+        span = lambda lo, hi: (starts[lo], starts[hi])  # blocks [lo, hi) -> elements  # noqa: F841 (span: for TODO 3.5)
+        lo, hi = 0, p  # the blocks this rank is still responsible for  # noqa: F841 (lo, hi: for TODO 3.5)
+        buf = torch.empty(starts[max(1, p // 2)], dtype=flat.dtype, device=flat.device)  # the larger half  # noqa: F841 (buf: for TODO 3.5)
         # --- TODO 3.5: recursive halving-doubling ---
         # Goal: all-reduce `flat` over ranks 0..p-1 in 2 log2(p) exchanges. Halving: at each
         # distance, pair with the rank differing in that bit, keep half of your block range

@@ -77,7 +77,7 @@ def assign_buckets(params: list[nn.Parameter], bucket_size_mb: float,
     if bucket_size_mb < 0:
         raise ValueError(f"bucket_size_mb must be >= 0, got {bucket_size_mb}")
     cap = bucket_size_mb * 1024 * 1024
-    first_cap = min(first_bucket_mb * 1024 * 1024, cap) if first_bucket_mb is not None else cap
+    first_cap = min(first_bucket_mb * 1024 * 1024, cap) if first_bucket_mb is not None else cap  # noqa: F841 (first_cap: for TODO 3.12)
     buckets: list[list[nn.Parameter]] = []
     # --- TODO 3.12: assign parameters to buckets ---
     # Goal: cut `params`, kept in their order, into consecutive buckets: a bucket closes when
@@ -160,7 +160,7 @@ class DDPBucketed(FinishInBackwardMixin, nn.Module):
             return
         self._begin_backward()  # the end of this backward calls finish_gradient_synchronization()
         b, i = self._where[p]
-        bucket = self.buckets[b]
+        bucket = self.buckets[b]  # noqa: F841 (bucket: for TODO 3.13)
         # --- TODO 3.13: fill the bucket from the gradient hook ---
         # Goal: p's gradient, already divided by W, ends up in p's slice of its bucket, and from
         # then on `p.grad` IS that slice (autograd accumulates there, nothing to copy back).

@@ -28,7 +28,7 @@ Run: ``RUN_MODE=data_parallel_overlap ./entrypoint.sh`` (TinyCNN on digits; demo
 """
 from __future__ import annotations
 
-import itertools
+import itertools  # noqa: F401 (itertools: for TODO 3.10)
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,7 @@ class DDPIndividualParameters(FinishInBackwardMixin, nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.require_sync = True  # False inside no_sync(): the next backward accumulates locally
         self._handles: list[tuple[dist.Work, torch.Tensor]] = []
-        src = group_root(group)  # group rank 0, as the global rank that src= expects
+        src = group_root(group)  # group rank 0, as the global rank that src= expects  # noqa: F841 (src: for TODO 3.10)
         with torch.no_grad():
             # --- TODO 3.10: broadcast at construction ---
             # Goal: every replica starts equal to group rank 0's, parameters AND buffers,

@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.comm import all_gather_single, reduce_scatter_single
-from distlab.flat_shards import (Unit, alloc_storage, cast_floating, default_units, free_storage, keep_full_precision,
+from distlab.comm import all_gather_single, reduce_scatter_single  # noqa: F401 (all_gather_single: for TODO 3.17; reduce_scatter_single: for TODO 3.18b)
+from distlab.flat_shards import (Unit, alloc_storage, cast_floating, default_units, free_storage, keep_full_precision,  # noqa: F401 (alloc_storage: for TODO 3.17)
                                  load_named_shard_state_dict, named_shard_state_dict, replace_parameters,
                                  replicated_parameters, shard_unit)
 from distlab.meters import MemoryMeter, OverlapMeter, nbytes

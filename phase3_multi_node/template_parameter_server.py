@@ -82,7 +82,7 @@ def assign_shards(sizes: list[int], num_servers: int) -> list[int]:
     """
     if num_servers > len(sizes):
         raise ValueError(f"{num_servers} servers but only {len(sizes)} parameter tensors: a server would hold nothing")
-    loads, owners = [0] * num_servers, [0] * len(sizes)
+    loads, owners = [0] * num_servers, [0] * len(sizes)  # noqa: F841 (loads: for TODO 3.7)
     # --- TODO 3.7: greedy parameter sharding ---
     # Goal: fill owners[i] = the server of tensor i, balancing the servers' total sizes
     # (`loads`) greedily: big tensors are placed first, each where the load is lowest so far.

@@ -85,9 +85,9 @@ def scratch(purpose: str, numel: int, dtype: torch.dtype, device: torch.device) 
 def _ring_reduce_scatter_(flat: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
     """In place on a flat contiguous tensor: afterwards chunk r of ``flat`` holds the sum over ranks
     (the other chunks hold partial sums)."""
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)  # noqa: F841 (rank: for TODO 3.1)
     bounds = chunk_bounds(flat.numel(), world_size)
-    incoming = scratch("incoming", bounds[0][1] - bounds[0][0], flat.dtype, flat.device)  # the largest chunk
+    incoming = scratch("incoming", bounds[0][1] - bounds[0][0], flat.dtype, flat.device)  # the largest chunk  # noqa: F841 (incoming: for TODO 3.1)
     # --- TODO 3.1: ring reduce-scatter ---
     # Goal: after W-1 ring steps, chunk `rank` of `flat` holds that chunk summed over all ranks.
     # At every step each rank passes one chunk to its right neighbour and adds the chunk that
@@ -101,8 +101,8 @@ def _ring_reduce_scatter_(flat: torch.Tensor, group: dist.ProcessGroup | None = 
 def _ring_all_gather_(flat: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
     """In place on a flat contiguous tensor whose chunk r is final on rank r: afterwards every chunk
     is final everywhere."""
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    bounds = chunk_bounds(flat.numel(), world_size)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)  # noqa: F841 (rank: for TODO 3.2)
+    bounds = chunk_bounds(flat.numel(), world_size)  # noqa: F841 (bounds: for TODO 3.2)
     # --- TODO 3.2: ring all-gather ---
     # Goal: chunk c starts final on rank c only; after W-1 ring steps every chunk is final on
     # every rank. Each step forwards a chunk this rank already has to the right, and the chunk
@@ -173,7 +173,7 @@ def ring_allreduce(tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGro
     Cost: 2(W-1) steps; sends 2(W-1)/W * N bytes per rank (N - n_r + N - n_{r+1} elements).
     """
     check_reduce_op(op, tensor)
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)  # noqa: F841 (rank, world_size: for TODO 3.3)
     # Work in place when we can; a non-contiguous view needs a flat copy and a copy back.
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
     # --- TODO 3.3: ring all-reduce ---
@@ -214,11 +214,11 @@ def ring_allreduce_pipelined(tensor: torch.Tensor, op: str = "sum", group: dist.
     bounds = chunk_bounds(flat.numel(), world_size)
     # Elements per slice, never more than the largest chunk (the same slices, smaller slots).
     per = max(1, min(slice_bytes // flat.element_size(), bounds[0][1] - bounds[0][0]))
-    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size  # noqa: F841 (right, left: for TODO 3.4)
     # Reduce-scatter receive slots, one slice each, one step's worth plus one (the launches in
     # flight), reused across calls: fresh buffers on every call cost more in page faults than the adds.
     window = -(-(bounds[0][1] - bounds[0][0]) // per) + 1
-    slots = scratch("slots", window * per, flat.dtype, flat.device).view(window, per)
+    slots = scratch("slots", window * per, flat.dtype, flat.device).view(window, per)  # noqa: F841 (slots: for TODO 3.4)
     # --- TODO 3.4: pipelined ring all-reduce ---
     # Goal: the result and the bytes of 3.3, but streamed: cut each chunk into slices of `per`
     # elements and never wait for a whole step. A slice is added and sent on at once while the

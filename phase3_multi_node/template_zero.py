@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.comm import all_gather_single, reduce_scatter_single  # noqa: F401 (all_gather_single: TODO 3.15 uses it; reduce_scatter_single: TODO 3.16a uses it)
+from distlab.comm import all_gather_single, reduce_scatter_single  # noqa: F401 (all_gather_single: for TODO 3.15; reduce_scatter_single: for TODO 3.16a)
 from distlab.flat_buckets import (bucket_layout, check_sharded_state, chunk_state_dict, consolidated_state_dict,
                                   group_params, make_flat_bucket)
 from distlab.meters import MemoryMeter, OverlapMeter, nbytes

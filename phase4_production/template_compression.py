@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.comm import all_gather_single
+from distlab.comm import all_gather_single  # noqa: F401 (all_gather_single: for TODO 4.9)
 from distlab.todo import todo
 
 
@@ -123,7 +123,7 @@ def allreduce_hook(group: dist.ProcessGroup | None,
 # --------------------------------------------------------------------------- casting
 def _cast_hook(group: dist.ProcessGroup | None, bucket: dist.GradBucket,
                dtype: torch.dtype) -> torch.futures.Future[torch.Tensor]:
-    buffer = bucket.buffer()
+    buffer = bucket.buffer()  # noqa: F841 (buffer: for TODO 4.8)
     # --- TODO 4.8: fp16/bf16 compression ---
     # Goal: a future whose value is `buffer` itself (in place, its own dtype) holding the mean over
     # `group`, sent in `dtype` (n x 2 bytes, one asynchronous all-reduce) without overflowing 65504.
@@ -179,8 +179,8 @@ def topk_hook(state: "TopKState", bucket: dist.GradBucket) -> torch.futures.Futu
     buffer = bucket.buffer()
     n, world_size = buffer.numel(), dist.get_world_size(state.group)
     k = max(1, min(n, math.ceil(state.ratio * n)))
-    all_values = torch.empty(world_size * k, dtype=buffer.dtype, device=buffer.device)
-    all_indices = torch.empty(world_size * k, dtype=torch.int32, device=buffer.device)
+    all_values = torch.empty(world_size * k, dtype=buffer.dtype, device=buffer.device)  # noqa: F841 (all_values: for TODO 4.9)
+    all_indices = torch.empty(world_size * k, dtype=torch.int32, device=buffer.device)  # noqa: F841 (all_indices: for TODO 4.9)
     # --- TODO 4.9: top-k with error feedback ---
     # Goal: `buffer` becomes the mean over ranks of each rank's sparse vector: the k entries of
     # largest magnitude of (its gradient + its residual, found by `_matching`). With error feedback,
@@ -226,7 +226,7 @@ def powersgd_hook(state: "PowerSGDState", bucket: dist.GradBucket) -> torch.futu
     Cost: three all-reduces: r(a + b) elements per compressed matrix, the rest as they are.
     """
     buffer = bucket.buffer()
-    world_size, r, idx = dist.get_world_size(state.group), state.rank, bucket.index()
+    world_size, r, idx = dist.get_world_size(state.group), state.rank, bucket.index()  # noqa: F841 (idx: for TODO 4.10a, 4.10b)
     grads = bucket.gradients()  # views of `buffer`: writing them writes the bucket
     mats = [(i, g.view(g.shape[0], -1)) for i, g in enumerate(grads)
             if g.dim() > 1 and r * (g.shape[0] + g[0].numel()) < g.numel()]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from datetime import timedelta
+from datetime import timedelta  # noqa: F401 (timedelta: for TODO 4.7)
 from typing import Iterable
 
 import torch
@@ -74,7 +74,7 @@ class GlobalBatchSampler:
 
     def next_indices(self) -> list[int]:
         """This rank's sample indices for the next step; advances the global position."""
-        per_rank = self.global_batch // self.world_size
+        per_rank = self.global_batch // self.world_size  # noqa: F841 (per_rank: for TODO 4.5)
         # --- TODO 4.5: resumable global sampler ---
         # Goal: this rank's `per_rank` indices of the next global batch, as a list. The global
         # batch is the next `global_batch` entries of this epoch's permutation (seeded seed + epoch,
@@ -262,7 +262,7 @@ def heartbeat(timeout_s: float, group: dist.ProcessGroup | None = None) -> None:
         PeerTimeoutError: on rank 0, naming every rank that did not arrive; on the
             others, saying rank 0 did not answer.
     """
-    rank = dist.get_rank(group)
+    rank = dist.get_rank(group)  # noqa: F841 (rank: for TODO 4.7)
     # --- TODO 4.7: hung-peer heartbeat ---
     # Goal: return once every rank of `group` has arrived; after `timeout_s` without them,
     # raise PeerTimeoutError("rank {rank}: heartbeat timed out after {timeout_s:g} s: ...")

@@ -89,7 +89,7 @@ def gather_to_rank0(values: list[float], group: dist.ProcessGroup | None = None,
     """
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     mine = torch.tensor(values, dtype=torch.float64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(world_size)] if rank == 0 else None
+    gathered = [torch.empty_like(mine) for _ in range(world_size)] if rank == 0 else None  # noqa: F841 (gathered: for TODO 4.11)
     # --- TODO 4.11: gather metrics to rank 0 ---
     # Goal: group rank 0 returns every rank's values as lists, in group rank order; the others
     # return None. One collective, len(values) x 8 bytes per rank, no pickling; every rank of

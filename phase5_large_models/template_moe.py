@@ -44,11 +44,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: F401 (F: for TODO 5.6)
 
 from distlab.comm import all_gather_single
 from distlab.sync import check_divisible
-from torch.distributed.nn.functional import all_to_all_single  # torch's twin of exercise 5.5
+from torch.distributed.nn.functional import all_to_all_single  # torch's twin of exercise 5.5  # noqa: F401 (all_to_all_single: for TODO 5.7, 5.8)
 from distlab.todo import todo
 
 
@@ -98,7 +98,7 @@ def capacity_keep(experts: torch.Tensor, all_counts: torch.Tensor, rank: int, ca
     (every slot-0 pair of every rank before any slot-1 pair), ranks in order, tokens in
     order, and keeping a pair while its expert has accepted fewer than C. No communication.
     """
-    num_experts = all_counts.shape[2]
+    num_experts = all_counts.shape[2]  # noqa: F841 (num_experts: for TODO 5.6)
     # --- TODO 5.6: capacity and token dropping ---
     # Goal: a pair's position in its expert's queue = the pairs for that expert that come earlier
     # in the global order (earlier slots of every rank, then this slot of earlier ranks, then
@@ -198,8 +198,8 @@ class ExpertParallelMoE(nn.Module):
         capacity = expert_capacity(num_tokens, E, k, self.capacity_factor)
         keep = capacity_keep(experts, all_counts, self.rank, capacity)
         aux = load_balancing_loss(probs, all_counts, num_tokens, self.aux_loss_coef)
-        token_of = torch.arange(num_tokens_here, device=x.device).repeat_interleave(k)  # pair -> token
-        expert_of = experts.reshape(-1)                                                  # pair -> expert
+        token_of = torch.arange(num_tokens_here, device=x.device).repeat_interleave(k)  # pair -> token  # noqa: F841 (token_of: for TODO 5.7, 5.8)
+        expert_of = experts.reshape(-1)                                                  # pair -> expert  # noqa: F841 (expert_of: for TODO 5.7)
         # --- TODO 5.7: dispatch ---
         # Goal: send each kept pair's token row to the rank that owns its expert (rank e // (E/W)),
         # grouped so that every rank receives, from each source, rows ordered by local expert.
@@ -213,7 +213,7 @@ class ExpertParallelMoE(nn.Module):
         # Collective: every rank of `group`, two all-to-alls (counts, then tokens).
         raise todo("5.7 dispatch", "guidelines_experts.md#dispatch-and-combine")
         # --- end TODO 5.7 ---
-        expert_out = self.experts(received, recv_counts)  # [sum(recv_splits), d], same row order
+        expert_out = self.experts(received, recv_counts)  # [sum(recv_splits), d], same row order  # noqa: F821, F841 (expert_out: for TODO 5.8; received, recv_counts: set by TODO 5.7)
         # --- TODO 5.8: combine ---
         # Goal: send every expert output row back to the rank its token came from (the dispatch
         # reversed), then out[t] = sum over t's kept pairs of gate * returned row; a token whose
@@ -221,6 +221,6 @@ class ExpertParallelMoE(nn.Module):
         # Collective: every rank of `group`, one all-to-all.
         raise todo("5.8 combine", "guidelines_experts.md#dispatch-and-combine")
         # --- end TODO 5.8 ---
-        self.stats = MoEStats(capacity, all_counts.sum(dim=(0, 1)), recv_counts.sum(dim=0), sum(send_splits),
-                              sum(recv_splits), int((~keep).sum()))
-        return out, aux
+        self.stats = MoEStats(capacity, all_counts.sum(dim=(0, 1)), recv_counts.sum(dim=0), sum(send_splits),  # noqa: F821 (recv_counts, send_splits: set by TODO 5.7)
+                              sum(recv_splits), int((~keep).sum()))  # noqa: F821 (recv_splits: set by TODO 5.7)
+        return out, aux  # noqa: F821 (out: set by TODO 5.8)

@@ -85,8 +85,8 @@ def _plan(state: dict[str, Any], group: dist.ProcessGroup | None) -> tuple[dict[
     """Snapshot this rank's pieces and agree on the index (collective). Returns (my pieces, metadata)."""
     flat = flatten(state)
     tensors = {k: v for k, v in flat.items() if torch.is_tensor(v)}
-    mine = {k: (local_box(v), str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in tensors.items()}
-    rank = dist.get_rank(group)
+    mine = {k: (local_box(v), str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in tensors.items()}  # noqa: F841 (mine: for TODO 5.11)
+    rank = dist.get_rank(group)  # noqa: F841 (rank: for TODO 5.11)
     # --- TODO 5.11: the index of a sharded checkpoint ---
     # Goal: every rank learns every rank's boxes (one collective), and the metadata records for
     # each tensor key its global shape, dtype and pieces [(rank, offsets, sizes)], each box
@@ -94,7 +94,7 @@ def _plan(state: dict[str, Any], group: dist.ProcessGroup | None) -> tuple[dict[
     # non-tensor values. Return (this rank's pieces as independent copies, by key; metadata).
     raise todo("5.11 the index of a sharded checkpoint", "guidelines_mesh.md#sharded-checkpoints")
     # --- end TODO 5.11 ---
-    return pieces, meta
+    return pieces, meta  # noqa: F821 (pieces, meta: set by TODO 5.11)
 
 
 def _write(directory: Path, rank: int, pieces: dict[str, torch.Tensor], meta: dict,
@@ -142,7 +142,7 @@ def load_sharded(state: dict[str, Any], directory: str | Path) -> dict[str, Any]
     """
     directory = Path(directory)
     meta = torch.load(directory / METADATA, weights_only=True)
-    flat, files = flatten(state), {}
+    flat, files = flatten(state), {}  # noqa: F841 (files: for TODO 5.12)
     for key, target in flat.items():
         if key not in meta["tensors"] and key not in meta["objects"]:
             raise ValueError(f"{key}: not in the checkpoint at {directory} (it has {len(meta['tensors'])} "
@@ -154,7 +154,7 @@ def load_sharded(state: dict[str, Any], directory: str | Path) -> dict[str, Any]
         if tuple(entry["global_shape"]) != tuple(target.shape):
             raise ValueError(f"{key}: checkpoint has global shape {tuple(entry['global_shape'])}, "
                              f"the model {tuple(target.shape)}")
-        out, box = local_tensor(target), local_box(target)
+        out, box = local_tensor(target), local_box(target)  # noqa: F841 (out, box: for TODO 5.12)
         # --- TODO 5.12: load with resharding ---
         # Goal: every element of this rank's box `box` of tensor `key`, copied into `out` from the
         # saved pieces that overlap it (any world size wrote them: offsets differ), opening each
@@ -196,7 +196,7 @@ def async_save_sharded(state: dict[str, Any], directory: str | Path, group: dist
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    rank, errors = dist.get_rank(group), []
+    rank, errors = dist.get_rank(group), []  # noqa: F841 (rank, errors: for TODO 5.13)
     # --- TODO 5.13: async save ---
     # Goal: take the snapshot and agree on the index here (the collective stays on this thread:
     # a collective on another thread would race the training's), then start a thread that

@@ -37,7 +37,7 @@ from distlab.todo import todo
 
 def _seq_to_heads(x: torch.Tensor, seq_lens: list[int], group) -> torch.Tensor:
     """(B, H, T_r, D): every head, this rank's tokens -> (B, H/W, T, D): this rank's heads, every token."""
-    world_size = len(seq_lens)
+    world_size = len(seq_lens)  # noqa: F841 (world_size: for TODO 5.4a)
     # --- TODO 5.4a: all-to-all, sequence-sharded to head-sharded ---
     # Goal: rank r sends head group j (heads j*H/W .. (j+1)*H/W - 1) of its T_r tokens to rank j,
     # and receives its own head group of every rank's tokens, concatenated along T in rank
@@ -49,7 +49,7 @@ def _seq_to_heads(x: torch.Tensor, seq_lens: list[int], group) -> torch.Tensor:
 
 def _heads_to_seq(y: torch.Tensor, seq_lens: list[int], group) -> torch.Tensor:
     """(B, H/W, T, D): this rank's heads, every token -> (B, H, T_r, D): every head, this rank's tokens."""
-    world_size = len(seq_lens)
+    world_size = len(seq_lens)  # noqa: F841 (world_size: for TODO 5.4b)
     # --- TODO 5.4b: all-to-all, head-sharded back to sequence-sharded ---
     # Goal: the inverse of 5.4a: rank r sends tokens of rank j (seq_lens[j] of them, in order)
     # of its head group to rank j, and receives every head group of its own T_r tokens,

@@ -6,6 +6,7 @@
    fails here. The generator never overwrites a learner's work unless forced.
 2. Templates import only torch and distlab; demos reach lesson code only through
    ``distlab.loader.load``, so ``IMPL=templates`` runs the learner's code.
+   A linter (flake8's pyflakes checks) reports nothing on an untouched template.
 3. Running a phase's tests with ``--impl templates`` on the untouched templates makes
    every test fail with ``LearnerTODO`` (not another error, not a hang), within
    seconds; tests marked ``scaffold`` check code the template gives away and pass.
@@ -138,6 +139,69 @@ def test_a_template_without_a_marked_solution_is_reported(mini_repo):
     (mini_repo / "phase9_x" / "template_orphan.py").write_text("x = 1\n")
     gen.main(["--repo", str(mini_repo), "--write"])
     assert any("template_orphan.py has no marked solution" in p for p in gen.check(mini_repo))
+
+
+# --------------------------------------------------------------------------- linter
+# flake8 restricted to F (pyflakes: unused imports and locals, undefined names, ...), the
+# checks that point at mistakes; pycodestyle's layout rules (79-column lines) are not the
+# house style. --isolated: no user or project configuration changes what is checked.
+FLAKE8 = [sys.executable, "-m", "flake8", "--isolated", "--select", "F"]
+
+
+def _flake8(*paths: Path, disable_noqa: bool = False) -> list[str]:
+    proc = subprocess.run([*FLAKE8, *(["--disable-noqa"] if disable_noqa else []), *map(str, paths)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "No module named flake8" not in proc.stderr, \
+        "flake8 is missing: `pip install -r requirements.txt` (it pins the linter these tests run)"
+    assert proc.returncode in (0, 1) and not proc.stderr.strip(), f"flake8 failed to run:\n{proc.stderr[-2000:]}"
+    return proc.stdout.splitlines()
+
+
+def test_a_linter_reports_nothing_on_the_generated_templates():
+    """An untouched template lints clean: what its regions need is marked, nothing else is unused."""
+    warnings = _flake8(*TEMPLATES)
+    assert not warnings, (f"{len(warnings)} linter warnings on the templates (fix the solution, or the "
+                          f"generator's marks in distlab/templates.py, then `{gen.COMMAND}`):\n" + "\n".join(warnings))
+
+
+LINTED = '''"""A lesson whose scaffold holds names only its region uses or defines."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+EPS = 0.0  # a module global: never reported unused, so never marked
+
+
+def norm(x: torch.Tensor) -> torch.Tensor:
+    """The Euclidean norm of x."""
+    n = x.numel()
+    squares = x * x
+    # ### BEGIN SOLUTION 9.2: the norm [guidelines.md#norm]
+    # Goal: total holds sqrt(sum of squares).
+    total = torch.tensor(math.sqrt(float(squares.sum()) + EPS))
+    # ### END SOLUTION 9.2
+    assert n >= 0
+    return total
+'''
+
+
+def test_generator_marks_exactly_what_a_linter_would_flag_for_a_missing_region(mini_repo):
+    """An import and a local only the region reads, and a name only the region defines: each line
+    says which TODO it serves, the linter is quiet, and each mark covers a warning (none extra)."""
+    (mini_repo / "solutions" / "phase9_x" / "lesson.py").write_text(LINTED)
+    assert gen.main(["--repo", str(mini_repo), "--write"]) == 0
+    template = mini_repo / "phase9_x" / "template_lesson.py"
+    text = template.read_text()
+    assert "import math  # noqa: F401 (math: for TODO 9.2)" in text
+    assert "squares = x * x  # noqa: F841 (squares: for TODO 9.2)" in text
+    assert "return total  # noqa: F821 (total: set by TODO 9.2)" in text
+    assert "n = x.numel()\n" in text, "n is read after the region: it needs no mark"
+    assert _flake8(template) == []
+    flagged = {int(w.split(":")[1]) for w in _flake8(template, disable_noqa=True)}
+    marked = {i for i, line in enumerate(text.splitlines(), 1) if "# noqa: F" in line}
+    assert flagged == marked, f"lines the linter flags with the marks ignored {sorted(flagged)}, lines marked {sorted(marked)}"
 
 
 @pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: f"{p.parent.name}/{p.name}")

@@ -31,7 +31,6 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
