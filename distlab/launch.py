@@ -57,7 +57,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from distlab import doctor, p2p
+from distlab import doctor, p2p, sandbox
 from distlab.todo import LearnerTODO
 
 _CTX = None
@@ -327,6 +327,7 @@ def _child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s
     # torch read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it: follow the launcher's now
     # (a forkserver started under DETAIL kept wrapping every later run's groups; DDP then crashed).
     dist.set_debug_level_from_env()
+    sandbox.enter_rank()  # a graded run: the audit hook is in before any learner code loads
     if alive is not None:
         _drop_forkserver_alive_fd()
         _die_with_launcher(alive, env[RUN_MARKER_ENV].rsplit(":", 1)[-1])
@@ -354,6 +355,7 @@ def _child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s
     except BaseException as exc:  # reported to the parent, never swallowed
         message = ("error", type(exc).__module__, type(exc).__qualname__, str(exc),
                    traceback.format_exc(), isinstance(exc, LearnerTODO))
+    message = sandbox.leave_rank(message)  # a refused action or a patched verdict function fails the rank
     doctor.write_flight_recorder()  # where this rank stopped, before the launcher reads it
     try:
         # Plain pickle, not the Pipe's: torch's multiprocessing pickler would pass tensors
