@@ -97,6 +97,14 @@ def student_copy_from_submission(submission: str | Path, dest: str | Path) -> li
         (dest / p.parent.name).mkdir(parents=True, exist_ok=True)
         shutil.copy(p, dest / p.parent.name / p.name)
     taken, unknown = [], []
+    found: dict[str, list[Path]] = {}
+    for f in sorted(Path(submission).rglob("*.py")):
+        found.setdefault(f.name, []).append(f)
+    if twice := {name: paths for name, paths in found.items() if name in known and len(paths) > 1}:
+        # Both would be copied over one another and the one sorting last graded: which, the student cannot tell.
+        name, paths = sorted(twice.items())[0]
+        raise ValueError(f"{name} was uploaded {len(paths)} times: "
+                         f"{' and '.join(str(p.relative_to(submission)) for p in paths)}; upload one file per template")
     for f in sorted(Path(submission).rglob("*.py")):
         if f.name in known:
             shutil.copy(f, dest / known[f.name].parent.name / f.name)
@@ -138,7 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--submission", default=None,
                         help="a folder holding a student's template_*.py files (Gradescope's /autograder/submission)")
     parser.add_argument("--autograder-zip", default=None, metavar="ZIP", help="write Gradescope's autograder bundle")
+    parser.add_argument("--exercises", nargs="*", default=None, metavar="NAME",
+                        help='grade only these exercises (weights.toml names, e.g. "1.4-1.5 distributed sampler")')
     args = parser.parse_args(argv)
+    if args.exercises:
+        from distlab import bugs
+
+        os.environ[bugs.EXERCISES_ENV] = json.dumps(args.exercises)  # read by the -p distlab.bugs plugin
+        extra = ["-p", "distlab.bugs", *extra]
+        args.tests = args.tests or bugs.exercise_test_files(args.exercises)
     if args.autograder_zip:
         print(f"wrote {autograder_zip(args.autograder_zip)}: upload it as the assignment's autograder")
         return 0
@@ -146,7 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.student_dir:
             parser.error("--submission and --student-dir exclude each other")
         with tempfile.TemporaryDirectory(prefix="distlab-submission-") as copy:
-            taken = student_copy_from_submission(args.submission, copy)
+            try:
+                taken = student_copy_from_submission(args.submission, copy)
+            except ValueError as exc:  # Gradescope shows results.json, not our exit status: say it there
+                Path(args.out).write_text(json.dumps({"score": 0, "output": f"submission refused: {exc}",
+                                                      "visibility": "visible", "tests": []}, indent=2))
+                print(f"submission refused: {exc}; wrote {args.out}")
+                return 0
             print(f"grading {len(taken)} submitted file(s): {', '.join(taken) or 'none'}")
             results = grade(copy, args.out, "templates", args.tests, extra)
             results["output"] = f"graded the submitted files: {', '.join(taken) or 'none'}"

@@ -43,6 +43,12 @@ HATCH_NAMES = {"exec", "eval", "compile", "__import__", "open", "globals", "loca
 # Dunder attributes a lesson needs (methods called explicitly, names for messages); any other is refused.
 PLAIN_DUNDERS = {"__init__", "__name__", "__enter__", "__exit__", "__len__", "__iter__", "__next__", "__call__",
                  "__repr__", "__post_init__", "__qualname__"}
+# Methods that would let a template's objects rig a comparison ("equal to anything", a tensor subclass
+# that answers torch.equal itself): defined only where the untouched template or its solution does.
+RIGGING_DUNDERS = {"__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__bool__", "__index__",
+                   "__int__", "__float__", "__torch_function__", "__torch_dispatch__", "__getattribute__",
+                   "__getattr__", "__del__", "__init_subclass__", "__instancecheck__", "__subclasscheck__",
+                   "__set_name__", "__reduce__", "__reduce_ex__", "__class_getitem__", "__array__"}
 # Attributes that lead out of the template: frames, and the modules other modules hold.
 HATCH_ATTRS = {"f_back", "f_globals", "f_locals", "f_builtins", "f_code", "gi_frame", "cr_frame", "ag_frame",
                "tb_frame", "tb_next", "sys", "builtins", "importlib", "gc", "inspect", "ctypes", "runpy",
@@ -72,6 +78,10 @@ def _findings(tree: ast.AST) -> tuple[set[tuple], list[tuple[int, tuple, str]]]:
             imported_names.add(alias)
     for node in ast.walk(tree):
         line = getattr(node, "lineno", 0)
+        defined = node.name if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else \
+            node.id if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) else None
+        if defined in RIGGING_DUNDERS:
+            hatches.append((line, ("defines", defined), f"a `{defined}` method (it could rig a comparison)"))
         if isinstance(node, ast.Name) and node.id in HATCH_NAMES:
             hatches.append((line, ("name", node.id), f"`{node.id}`"))
         elif isinstance(node, ast.Attribute):
@@ -155,15 +165,14 @@ def lint(path: Path, phase: str, name: str) -> list[str]:
 def _guarded() -> list[tuple[object, str, object]]:
     """(owner, attribute, value) for every function a verdict depends on, as they are now."""
     import torch
-    import torch.distributed as dist
 
     from distlab import testing
 
     owners: list[tuple[object, list[str]]] = [
         (torch, ["equal", "allclose", "isclose", "testing"]), (torch.testing, ["assert_close"]),
         (torch.Tensor, ["__eq__", "__ne__", "equal", "allclose", "tolist", "item", "__bool__", "all", "any"]),
-        (dist, ["all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-                "get_rank", "get_world_size", "barrier", "send", "recv", "isend", "irecv"]),
+        # Not torch.distributed's functions: distlab.comm.CommLedger wraps them for the bench itself, and a
+        # faked collective cannot pass a test (each rank's single-process baseline uses none).
     ]
     mods = [testing] + [m for n, m in list(sys.modules.items())
                         if isinstance(m, ModuleType) and (n.startswith("test_") or n.startswith("tests."))]

@@ -1,0 +1,125 @@
+"""A graded rank's guard: what the learner's code may not do while it runs.
+
+The static rules (distlab/isolation.py) read a template before it runs; this is the layer
+behind them, in every rank of a graded run (``--impl templates``), installed by the launcher
+at rank start (distlab/launch.py ``_child``), before the test module loads the template:
+
+* a Python audit hook (PEP 578, ``sys.addaudithook``: it cannot be removed) refuses, while the
+  learner's code is on the stack, to open the reference solutions, the tests or the grading
+  files, to write anywhere in the instructor's checkout, to import ``solutions`` or the tests,
+  to reach frames or the garbage collector, to patch a function's code or a class, to load C
+  libraries, to start processes or to change the environment (``DISTLAB_IMPL=solutions``);
+* the verdict functions (torch's comparisons, distlab.testing, the test module) are checked
+  when the rank's work is done (:class:`distlab.isolation.BenchGuard`): a patch fails the rank.
+
+A refusal raises inside the learner's code and is remembered: the rank fails with it even if
+the learner's code catches the exception.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+_PROTECTED = tuple(str(REPO / d) + os.sep for d in ("solutions", "tests", "grading"))
+# Events refused whenever learner code is anywhere on the stack (the bench it calls included).
+_ANYWHERE = ("ctypes.", "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
+             "os.forkpty", "os.kill", "os.killpg", "os.putenv", "os.unsetenv", "os.chmod", "os.chown", "os.remove",
+             "os.rename", "os.rmdir", "shutil.rmtree", "pty.spawn", "sys.settrace", "sys.setprofile",
+             "sys._current_frames", "gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys.addaudithook")
+# Events refused when the learner's own line makes them (dataclasses and torch exec code on its behalf).
+_DIRECT = ("exec", "compile", "sys._getframe", "object.__setattr__", "object.__delattr__", "object.__getattr__",
+           "builtins.input", "marshal.loads", "code.__new__", "function.__new__")
+
+_state = threading.local()
+_learner_roots: tuple[str, ...] = ()
+violations: list[str] = []
+_guard = None
+
+
+def _is_learner(filename: str) -> bool:
+    return filename.startswith(_learner_roots) and os.path.basename(filename).startswith("template_")
+
+
+def _learner_on_stack(direct_only: bool) -> str | None:
+    frame = sys._getframe(2)  # 0: here, 1: the hook, 2: the code that caused the event
+    while frame is not None:
+        if _is_learner(frame.f_code.co_filename):
+            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+        if direct_only:
+            return None
+        frame = frame.f_back
+    return None
+
+
+def _refusal(event: str, args: tuple) -> str | None:
+    if event == "open":
+        path, mode = args[0], args[1] if len(args) > 1 else "r"
+        if not isinstance(path, (str, bytes)):
+            return None
+        path = os.path.abspath(os.fsdecode(path))
+        writes = isinstance(mode, str) and any(c in mode for c in "wax+")
+        if path.startswith(_PROTECTED) or (writes and path.startswith(str(REPO) + os.sep)):
+            return f"open {path!r} ({mode})" if _learner_on_stack(False) else None
+        return None
+    if event == "import":
+        name = str(args[0])
+        if name.split(".")[0] in ("solutions", "tests") or name.startswith("test_") or name == "distlab.loader":
+            return f"import {name}" if _learner_on_stack(False) else None
+        return None
+    if event.startswith(_ANYWHERE):
+        return event if _learner_on_stack(False) else None
+    if event in _DIRECT:
+        return event if _learner_on_stack(True) else None
+    return None
+
+
+def _hook(event: str, args: tuple) -> None:
+    if getattr(_state, "busy", False):
+        return  # our own sys._getframe
+    _state.busy = True
+    try:
+        why = _refusal(event, args)
+    finally:
+        _state.busy = False
+    if why:
+        message = f"graded code may not {why} (refused by the grader's sandbox: the exercise scores 0)"
+        violations.append(message)
+        raise PermissionError(message)
+
+
+def graded() -> bool:
+    """True in a run that grades templates (``--impl templates``)."""
+    from distlab.loader import IMPL_ENV
+
+    return os.environ.get(IMPL_ENV) == "templates"
+
+
+def enter_rank() -> None:
+    """At a rank's start, before any learner code: the audit hook, and the bench's verdict functions remembered."""
+    global _learner_roots, _guard
+    if not graded():
+        return
+    from distlab.isolation import BenchGuard
+    from distlab.loader import STUDENT_DIR_ENV
+
+    roots = [str(REPO) + os.sep]
+    if os.environ.get(STUDENT_DIR_ENV):
+        roots.append(os.path.abspath(os.environ[STUDENT_DIR_ENV]) + os.sep)
+    _learner_roots = tuple(roots)
+    _guard = BenchGuard()
+    sys.addaudithook(_hook)
+
+
+def leave_rank(message: tuple) -> tuple:
+    """At a rank's end: its result, or the first refusal / bench change if the learner's code caused one."""
+    if _guard is None:
+        return message
+    changed = _guard.restore()
+    why = violations[0] if violations else (
+        f"graded code changed the bench's {', '.join(changed)} (the exercise scores 0)" if changed else None)
+    if why is None:
+        return message
+    return ("error", "builtins", "PermissionError", why, "", False)
