@@ -3,10 +3,12 @@
 - docker-compose.yaml: node0's healthcheck passes once the rendezvous store listens, where it listens;
 - Terraform: a node count the global batch does not divide is refused at plan time (``terraform plan``
   on variables.tf alone: no provider, no network), and the startup script installs from the checkout;
-- SLURM: slurm.sbatch run by bash with stand-ins for scontrol, srun, getent and hostname on PATH,
-  on a machine whose /etc/hosts maps the host name to loopback, with a typed GPU request.
+- SLURM: slurm.sbatch run by bash with stand-ins for scontrol, srun, getent and hostname on PATH (and
+  for torchrun, as entrypoint.sh's TORCHRUN), on a machine whose /etc/hosts maps the host name to
+  loopback, with a typed GPU request.
 
-The containers themselves (compose up, the startup script's install branch) are in tests/test_cluster.py.
+The containers themselves (compose up, the startup script's install branch) are in tests/test_cluster.py;
+slurm.sbatch under a real sbatch on a one-host SLURM is in tests/test_cluster_slurm.py.
 """
 from __future__ import annotations
 
@@ -116,12 +118,12 @@ STUBS = {
               'else exit 2; fi',
     "hostname": 'case "$1" in --ip-address|-i) echo 127.0.1.1 ;; -I) echo "10.9.0.11 172.17.0.1 " ;; '
                 '*) echo gpu-a ;; esac',
-    # srun: a step on one node (-w) runs its command here; the job step records its command, and where
-    # the command's program is on the PATH the step would get (srun passes the environment on)
-    "srun": 'args=("$@"); if [[ " $* " == *" -w "* ]]; then while [[ "$1" == -* ]]; do [[ "$1" == -w ]] && shift; '
-            'shift; done; exec "$@"; fi\n'
-            'printf "%s\\n" "${args[@]}" > "$SRUN_LOG"\n'
-            'while [[ "$1" == -* ]]; do shift; done; echo "program=$(command -v "$1")" >> "$SRUN_LOG"',
+    # srun: a step on one node (-w) runs its command here; the job step runs its command here too, as
+    # node 0 of the allocation (srun passes the environment on, SLURM_NODEID set per node)
+    "srun": 'while [[ "$1" == -* ]]; do [[ "$1" == -w ]] && shift; shift; done; SLURM_NODEID=0 exec "$@"',
+    # entrypoint.sh's launcher (TORCHRUN) stands in for torchrun: it records its arguments, and which
+    # `python` the step's PATH gives (the one entrypoint.sh's own launcher, `python -m ...`, would run)
+    "record-torchrun": 'printf "%s\\n" "$@" > "$SRUN_LOG"; echo "program=$(command -v python)" >> "$SRUN_LOG"',
 }
 
 
@@ -142,7 +144,7 @@ def _sbatch(tmp_path: Path, gpus_per_node: str, venv: bool = True) -> tuple[subp
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "SRUN_LOG": str(log), "VENV": str(venv_dir),
            "SLURM_JOB_NODELIST": "gpu-[a-b]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
            "SLURM_JOB_NAME": "distlab-imagenet", "SLURM_CPUS_PER_TASK": "64", "SLURM_SUBMIT_DIR": str(REPO),
-           "SLURM_GPUS_PER_NODE": gpus_per_node}
+           "SLURM_GPUS_PER_NODE": gpus_per_node, "TORCHRUN": "record-torchrun"}
     out = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     return out, log.read_text().splitlines() if log.exists() else []
 
@@ -163,11 +165,21 @@ def test_slurm_launcher_is_on_the_path_the_job_step_gets(tmp_path):
     out, args = _sbatch(tmp_path, "8")
     assert out.returncode == 0, out.stderr
     program = next(a.split("=", 1)[1] for a in args if a.startswith("program="))
-    assert program, f"srun's command {args[2:5]} is not on the PATH the job step inherits (no torchrun there)"
-    launch = args[args.index("--kill-on-bad-exit=1") + 2:]
-    launcher = launch[:launch.index("--nnodes=2")]
-    check = subprocess.run([program, *launcher[1:], "--help"], capture_output=True, text=True, timeout=60)
-    assert check.returncode == 0 and "--nproc_per_node" in check.stdout, f"{launcher} is not torchrun: {check.stderr}"
+    assert program == str(tmp_path / "venv" / "bin" / "python"), \
+        f"the job step's python is {program or 'missing'}, not the venv's: no torchrun there"
+    launcher = re.search(r"TORCHRUN:-python (-m [\w.]+)", (REPO / "entrypoint.sh").read_text())
+    assert launcher, "entrypoint.sh's default launcher is no longer `python -m <module>`: update this test"
+    check = subprocess.run([program, *launcher.group(1).split(), "--help"], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0 and "--nproc_per_node" in check.stdout, f"{launcher.group(0)} is not torchrun: " \
+                                                                          f"{check.stderr}"
+
+
+def test_slurm_runs_the_capstone_with_a_checkpoint_directory_per_job(tmp_path):
+    out, args = _sbatch(tmp_path, "8")
+    assert out.returncode == 0, out.stderr
+    assert args[args.index("-m") + 1] == "demos.imagenet", args
+    assert _launch_flag(args, "checkpoint-dir").startswith("/shared/checkpoints/distlab-imagenet-4242/"), args
+    assert _launch_flag(args, "rdzv_id") == "4242" and _launch_flag(args, "nnodes") == "2", args
 
 
 @pytest.mark.parametrize("gpus, nproc", [("8", "8"), ("a100:8", "8"), ("h100:4", "4")])
