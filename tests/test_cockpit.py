@@ -1,0 +1,174 @@
+"""The learner's cockpit (``python -m distlab``), played as a learner plays it, on a copy of phase 1.
+
+The copy is a folder with phase1_data_parallel/ only (templates, guidelines): the cockpit runs
+the tests of this checkout against it (``--student-dir``), as it would run them on a learner's
+own checkout. The real templates are never edited. Expected values come from the files
+themselves (the line of a TODO, the guidelines' hint list, the pristine stub), not from the
+cockpit's own code.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distlab import templates
+from distlab.cockpit import checks, course
+from distlab.cockpit.hints import hints
+
+REPO = Path(__file__).resolve().parent.parent
+PHASE = "phase1_data_parallel"
+
+
+@pytest.fixture
+def copy(tmp_path: Path) -> Path:
+    shutil.copytree(REPO / PHASE, tmp_path / PHASE, ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
+
+
+def distlab(root: Path, *args: str, check: int | None = 0) -> str:
+    proc = subprocess.run([sys.executable, "-m", "distlab", *args, "--root", str(root)], cwd=REPO,
+                          capture_output=True, text=True, timeout=280)
+    if check is not None:
+        assert proc.returncode == check, f"distlab {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}{proc.stderr}"
+    return proc.stdout + proc.stderr
+
+
+def solve(root: Path, ids: set[str]) -> None:
+    """What a learner does: the solution's code for TODO ``ids`` in place of each region's ``raise todo``."""
+    for solution in sorted((REPO / "solutions" / PHASE).glob("*.py")):
+        lines, bodies, i = solution.read_text().splitlines(), {}, 0
+        while i < len(lines):
+            if (m := templates.BEGIN.match(lines[i])) and m["id"] in ids:
+                j = i + 1
+                while lines[j].strip().startswith("#"):  # the stub's comments stay as the template has them
+                    j += 1
+                k = j
+                while not templates.END.match(lines[k]):
+                    k += 1
+                bodies[m["id"]], i = lines[j:k], k
+            i += 1
+        template = root / PHASE / f"template_{solution.name}"
+        if not bodies:
+            continue
+        out, current = [], None
+        for line in template.read_text().splitlines():
+            if m := templates.TODO_BEGIN.match(line):
+                current = m["id"]
+            if current in bodies and line.strip().startswith("raise todo("):
+                out.extend(bodies[current])
+                continue
+            out.append(line)
+        template.write_text("\n".join(out) + "\n")
+
+
+def region_text(text: str, rid: str) -> str:
+    m = re.search(rf"^[ \t]*# --- TODO {re.escape(rid)}:.*?# --- end TODO {re.escape(rid)} ---$", text, re.S | re.M)
+    assert m, f"region {rid} not found"
+    return m.group(0)
+
+
+def phase1_lines(status: str) -> dict[str, str]:
+    return {ex.name: next(l for l in status.splitlines() if l.strip().startswith(ex.name))
+            for ex in course.exercises() if ex.phase == 1}
+
+
+def test_learner_plays_phase1_with_the_cockpit_only(copy: Path):
+    collectives = copy / PHASE / "template_collectives.py"
+    pristine = collectives.read_text()
+    # status: nothing done yet
+    status = distlab(copy, "status")
+    assert "Phase 1  [....................]  0/8 points, 0 of 3 exercises passing" in status, status
+    assert all("untouched" in line for line in phase1_lines(status).values()), status
+    # next: 1.1's TODO, where the file has it, and the command that checks it
+    line = pristine.splitlines().index(next(l for l in pristine.splitlines() if "# --- TODO 1.1:" in l)) + 1
+    nxt = distlab(copy, "next")
+    assert f"{PHASE}/template_collectives.py:{line}" in nxt and "TODO 1.1" in nxt, nxt
+    assert "python -m distlab check 1.1-1.3" in nxt and "guidelines.md#all-reduce-three-ways" in nxt, nxt
+    # check: every test fails at the TODO, the whole exercise is scored
+    out = distlab(copy, "check", "1.1-1.3", check=1)
+    fails = [l for l in out.splitlines() if l.strip().startswith("FAIL")]
+    assert fails and not any(l.strip().startswith("pass") for l in out.splitlines()), out
+    assert f"1.1-1.3 all-reduce three ways: 0/{len(fails)} tests, 0.00/3 points, failing" in out, out
+    assert "TODO 1.1 all-reduce by reduce + broadcast: not implemented yet" in out, out
+    # the learner writes 1.1-1.3; check passes, status shows the progress
+    solve(copy, {"1.1", "1.2", "1.3"})
+    out = distlab(copy, "check", "1.1")
+    passes = [l for l in out.splitlines() if l.strip().startswith("pass")]
+    assert len(passes) == len(fails), out
+    assert f"1.1-1.3 all-reduce three ways: {len(fails)}/{len(fails)} tests, 3.00/3 points, passing" in out, out
+    status = distlab(copy, "status")
+    assert "Phase 1  [########............]  3/8 points, 1 of 3 exercises passing" in status, status
+    assert re.search(r"passing\s+\d+/\d+ tests\s+3/3$", phase1_lines(status)["1.1-1.3 all-reduce three ways"]), status
+    # next moves on; hints come one at a time, in the guidelines' order
+    assert "next: 1.4-1.5 distributed sampler" in distlab(copy, "next")
+    guide = (copy / PHASE / "guidelines.md").read_text()
+    block = guide.split("<summary>Hints for TODO 1.4</summary>", 1)[1].split("</details>", 1)[0]
+    items = [l for l in block.splitlines() if re.match(r"\d+\. ", l)]
+    first, second = distlab(copy, "hint", "1.4"), distlab(copy, "hint", "1.4")
+    assert "hint 1 of" in first and items[0] in first and items[1] not in first, first
+    assert "hint 2 of" in second and items[1] in second and items[0] not in second, second
+    # reset 1.2: its region is the stub again, 1.1 and 1.3 keep the learner's code, the old 1.2 is kept
+    solved = collectives.read_text()
+    out = distlab(copy, "reset", "1.2")
+    stub = region_text(pristine, "1.2")
+    assert collectives.read_text() == solved.replace(region_text(solved, "1.2"), stub), "only 1.2 changes, to its stub"
+    kept = list((copy / ".distlab" / "reset").glob("template_collectives.py.1.2.*.py"))
+    assert len(kept) == 1 and "dist.all_gather" in kept[0].read_text() and "raise todo" not in kept[0].read_text(), out
+    assert kept[0].relative_to(copy).as_posix() in out, out
+    assert re.search(r"1\.1-1\.3 all-reduce three ways\s+edited", distlab(copy, "status")), "reset forgets the verdict"
+
+
+def test_watch_rechecks_on_save_and_moves_on(copy: Path):
+    proc = subprocess.Popen([sys.executable, "-m", "distlab", "watch", "1.4-1.5", "--max-checks", "2",
+                             "--interval", "0.2", "--root", str(copy)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        for line in proc.stdout:  # the first verdict, then the watch waits for a save
+            seen.append(line)
+            if line.startswith("watching "):
+                break
+        assert any("0.00/2 points, failing" in l for l in seen), "".join(seen)
+        solve(copy, {"1.4", "1.5"})  # the save the watch is waiting for
+        rest = proc.stdout.read()
+        assert proc.wait(timeout=240) == 0, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "1.4-1.5 distributed sampler: 5/5 tests, 2.00/2 points, passing" in rest, rest
+    assert "1.1-1.3 all-reduce three ways is next: python -m distlab check 1.1-1.3" in rest, rest
+
+
+def test_ids_a_learner_types_name_the_narrowest_exercise():
+    assert course.find("1.2").name == "1.1-1.3 all-reduce three ways"
+    assert course.find("2.5").name == "2.5 mixed-precision data parallel"  # not 2.3-2.5's
+    assert course.find("3.8").name.startswith("3.8 ")
+    with pytest.raises(ValueError, match="python -m distlab status"):
+        course.find("9.9")
+
+
+def test_every_exercise_has_tests_hints_and_regions():
+    for ex in course.exercises():
+        assert course.test_files(ex), f"{ex.name}: no test carries its marker"
+        assert course.regions_of(ex, REPO), f"{ex.name}: no TODO region in the templates"
+    assert [t for t, _ in hints(course.find("1.1"), REPO)][:1] == ["1.1"]
+
+
+def test_a_partial_run_is_never_shown_as_the_exercise_score():
+    ex = course.find("1.4")
+    result = {"passed": 2, "total": 2, "points": 2.0, "partial": True, "tests": []}
+    last = checks.verdict_lines(ex, result)[-1]
+    assert "partial" in last and "not the exercise's score" in last and "2.00/2 points" not in last, last
+    assert not checks.passed(result)
+
+
+def test_check_ties_pytest_to_the_cockpit():
+    from distlab.launch import TIE_ENV
+
+    assert checks.TIE_ENV == TIE_ENV
