@@ -76,7 +76,7 @@ class Slurm:
 
     def sbatch(self, script: Path, *args: str, env: dict[str, str], cwd: Path,
                timeout: float = 120) -> subprocess.CompletedProcess:
-        """``sbatch ARGS SCRIPT`` from ``cwd``, ``env`` the submitting shell's whole environment (plus the cluster's)."""
+        """``sbatch ARGS SCRIPT`` from ``cwd``; ``env``: the submitting shell's whole environment (+ the cluster's)."""
         return subprocess.run(["sbatch", *args, str(script)], env={**env, "SLURM_CONF": str(self.conf),
                                                                    MARKER: str(self.root)},
                               cwd=cwd, capture_output=True, text=True, timeout=timeout)
