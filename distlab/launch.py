@@ -57,7 +57,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from distlab import doctor, p2p, sandbox
+from distlab import doctor, p2p, sandbox, trace
 from distlab.todo import LearnerTODO
 
 _CTX = None
@@ -351,10 +351,12 @@ def _child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s
         except Exception as exc:  # before any of the caller's code ran: see run_distributed's retry
             raise InitError(f"process group initialisation failed: {exc}") from exc
         p2p.enable_size_check()  # a message shorter than its receive buffer raises (DISTLAB_P2P_SIZE_CHECK=0: off)
+        trace.start_rank(rank, world_size)  # DISTLAB_TRACE=DIR: this rank's communication over time (distlab/trace.py)
         message = ("ok", fn(rank, world_size, *args, **kwargs))
     except BaseException as exc:  # reported to the parent, never swallowed
         message = ("error", type(exc).__module__, type(exc).__qualname__, str(exc),
                    traceback.format_exc(), isinstance(exc, LearnerTODO))
+    trace.finish_rank()  # before the sandbox's check: the ledger's patches of torch.distributed are gone
     message = sandbox.leave_rank(message)  # a refused action or a patched verdict function fails the rank
     doctor.write_flight_recorder()  # where this rank stopped, before the launcher reads it
     try:
@@ -707,6 +709,7 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        trace.start_rank(0, 1, merge_when_done=True)
         return DistEnv(0, 1, 0, backend, device)
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
@@ -738,6 +741,7 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s),
                             device_id=device if "nccl" in backend else None)
+    trace.start_rank(rank, world_size, merge_when_done=True)  # DISTLAB_TRACE=DIR: DIR/trace.json when the job ends
     return DistEnv(rank, world_size, local_rank, backend, device)
 
 
@@ -749,6 +753,8 @@ def shutdown() -> None:
     reference cycle, a pending send) are collected first, while the group exists.
     """
     doctor.stop_watchdog()  # before the group and its store go: a watch mid-call would abort the rank at exit
+    if not _IN_RUN_DISTRIBUTED:  # run_distributed's ranks finish their trace themselves (_child)
+        trace.finish_rank()
     gc.collect()
     if dist.is_initialized() and not _IN_RUN_DISTRIBUTED:
         dist.destroy_process_group()
