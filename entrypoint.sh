@@ -10,7 +10,8 @@
 #                 an unfinished TODO ends the run with one line naming it)
 #   NPROC         processes per node (default 2; NPROC=gpu: one per GPU)
 #   NNODES        number of nodes (default 1; "MIN:MAX" for an elastic job)
-#   NODE_RANK     this node's rank (multi-node; with c10d rendezvous it is only a hint)
+#   NODE_RANK     0 on the node that hosts the rendezvous (multi-node); ranks are handed out in
+#                 arrival order (c10d rendezvous), so on other nodes any value but 0 means "connect"
 #   MASTER_ADDR   rendezvous host (multi-node; default 127.0.0.1)
 #   MASTER_PORT   rendezvous port (multi-node; default 29500; an integer 1-65535)
 #   RDZV_ID       job id shared by all nodes of one job (default: distlab)
@@ -135,8 +136,9 @@ else
   if [[ -n "${NODE_RANK:-}" ]]; then
     # Node 0 hosts the rendezvous store; the others only connect to it. Saying so
     # explicitly lets several "nodes" share one host (docker-compose, loopback tests).
+    # Not --node_rank: c10d ignores it and torchrun warns so on every node but node 0.
     if [[ "$NODE_RANK" == "0" ]]; then host=true; else host=false; fi
-    args+=(--node_rank="$NODE_RANK" --rdzv_conf="is_host=$host")
+    args+=(--rdzv_conf="is_host=$host")
   fi
 fi
 

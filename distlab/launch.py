@@ -711,6 +711,9 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         trace.start_rank(0, 1, merge_when_done=True)
         return DistEnv(0, 1, 0, backend, device)
+    problem = socket_ifname_problem()  # plain torchrun does not check it before starting the workers
+    if problem:
+        raise ValueError(problem)
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -787,6 +790,97 @@ class BoundTCPStore(dist.TCPStore):
         super().__init__(host_name, port, *args, is_master=is_master, **kwargs)
 
 
+# --------------------------------------------------------------------------- launch errors, in one line
+TRACEBACK_ENV = "DISTLAB_TRACEBACK"  # "1": torch's traceback above the one-line launch error
+
+
+def socket_ifname_problem() -> str | None:
+    """What is wrong with GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, with the fix; None when both are fine.
+
+    gloo takes a comma-separated list of interface names, each of which must exist; NCCL takes
+    prefixes ("eth" matches eth0), "=name" for exact names and "^name" to exclude (not checked).
+    Either fails deep inside the process group ("Unable to find address for: eht0") otherwise.
+    """
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        value = os.environ.get(var, "").strip()
+        if not value or value.startswith("^"):
+            continue
+        wanted = [w for w in value.split(",") if w]
+        if var == "GLOO_SOCKET_IFNAME":
+            missing = [w for w in wanted if w not in names]
+        elif value.startswith("="):
+            missing = [] if any(w.lstrip("=") in names for w in wanted) else wanted
+        else:
+            missing = [] if any(n.startswith(w) for w in wanted for n in names) else wanted
+        if missing:
+            # An Ethernet or InfiniBand name if there is one (not docker0, veth*, ifb*): what connects nodes
+            example = next((n for n in names if n.startswith(("eth", "en", "ib"))), "eth0")
+            return (f"{var}={value} names no network interface of this machine ({', '.join(missing)} not "
+                    f"found; it has: {', '.join(names)}): set it to the interface that reaches the other "
+                    f"nodes (`ip -br addr` shows their addresses), e.g. {var}={example}, or unset it")
+    return None
+
+
+def _resolves(host: str, within_s: float = 10.0) -> bool | None:
+    """Whether ``host`` resolves here; None when the resolver did not answer within ``within_s``."""
+    answer: list[bool] = []
+
+    def lookup() -> None:
+        try:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            answer.append(True)
+        except (OSError, UnicodeError):
+            answer.append(False)
+
+    thread = threading.Thread(target=lookup, name="distlab-resolve", daemon=True)  # getaddrinfo has no timeout
+    thread.start()
+    thread.join(within_s)
+    return answer[0] if answer else None
+
+
+def _unresolved(host: str) -> str:
+    return (f"MASTER_ADDR {host} does not resolve on this node: use node 0's host name as this node sees it "
+            f"(`getent hosts {host}` must print its address), or its IP address (MASTER_ADDR=10.0.0.1)")
+
+
+def _launch_error_line(exc: BaseException, endpoint: str | None) -> str | None:
+    """One line naming the cause of a failed rendezvous start and its fix; None for other errors.
+
+    torch reports both a taken port and an unreachable node 0 as "The connection to the C10d
+    store has failed" after some 40 lines; the cause is in the chained exceptions.
+    """
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    chain, seen = [], exc
+    while seen is not None and len(chain) < 10:
+        chain.append(f"{type(seen).__name__}: {seen}")
+        seen = seen.__cause__ or seen.__context__
+    text = "\n".join(chain)
+    try:
+        host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+    except ValueError:
+        host, port = endpoint or "?", 29400
+    if re.search(r"EADDRINUSE|address already in use", text, re.I):
+        return (f"port {port} is already in use on this node, so it cannot host the rendezvous at "
+                f"{host}:{port}: choose another port, the same on every node (MASTER_PORT={free_port()} "
+                f"./entrypoint.sh), or free it (`ss -ltnp 'sport = :{port}'` names the process holding it)")
+    if not re.search(r"trying to connect|Connection refused|No route to host|Network is unreachable|"
+                     r"failed to connect|RendezvousConnectionError", text, re.I):
+        return None
+    if _resolves(host) is False:
+        return _unresolved(host)
+    waited = re.search(r"timed out after (\d+)ms", text)
+    within = f" within {int(waited.group(1)) / 1000:g} s" if waited else ""
+    return (f"nobody answered at {host}:{port}{within}, where node 0 hosts the rendezvous: check that node 0 "
+            f"is started (NODE_RANK=0, same MASTER_PORT), that {host} is its address (`getent hosts {host}`), "
+            f"that this node has a route to it (`ip route get <its address>`) and that no firewall drops port "
+            f"{port} (`python -c \"import socket; socket.create_connection(('{host}', {port}), 3)\"`)")
+
+
 def torchrun(argv: list[str]) -> None:
     """``torchrun`` (same arguments) whose rendezvous stores listen only on the address they name.
 
@@ -794,6 +888,10 @@ def torchrun(argv: list[str]) -> None:
     ``--local-addr=127.0.0.1`` and GLOO_SOCKET_IFNAME=lo, so a one-machine job listens on loopback only.
     A failed job ends with ``distlab.todo.summarize_failure``'s few lines (the first failing rank
     and its error, once) and exit code 1, not torchrun's traceback and report of every rank.
+    A start that fails ends with one line naming the cause and the fix, not torch's ~40-line
+    traceback (``DISTLAB_TRACEBACK=1`` prints it above): MASTER_PORT in use on node 0, node 0 not
+    answering at MASTER_ADDR:MASTER_PORT, MASTER_ADDR not resolving, and (exit code 2, before any
+    worker starts) GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME naming no interface of this machine.
     """
     from torch.distributed import run
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -807,13 +905,34 @@ def torchrun(argv: list[str]) -> None:
         if loopback:  # gloo's and NCCL's listening sockets, in every worker
             os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    args = run.parse_args(argv)
+    problem = socket_ifname_problem()
+    if problem:  # before any worker starts: each would fail with gloo's or NCCL's own words
+        print(f"distlab.launch: {problem}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    if not args.standalone and args.rdzv_backend == "c10d" and args.rdzv_endpoint:
+        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+        host = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)[0]
+        if _resolves(host) is False:  # at once, not after torch's connection attempts (2 x 60 s by default)
+            print(f"distlab.launch: {_unresolved(host)}", file=sys.stderr, flush=True)
+            sys.exit(1)
     dist.TCPStore = c10d_rendezvous_backend.TCPStore = BoundTCPStore
     try:
-        run.run(run.parse_args(argv))  # run.main without its @record, which logs that this agent has no error file
+        run.run(args)  # run.main without its @record, which logs that this agent has no error file
     except ChildFailedError as exc:
         from distlab.todo import summarize_failure
 
         print(summarize_failure(exc), file=sys.stderr, flush=True)
+        sys.exit(1)
+    except Exception as exc:
+        line = _launch_error_line(exc, None if args.standalone else args.rdzv_endpoint)
+        if line is None:
+            raise
+        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            traceback.print_exc()
+        # The last thing the user reads: the cause and what to change (DISTLAB_TRACEBACK=1 shows torch's traceback)
+        print(f"distlab.launch: {line}", file=sys.stderr, flush=True)
         sys.exit(1)
 
 
