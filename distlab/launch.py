@@ -327,7 +327,7 @@ def _child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s
     # torch read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it: follow the launcher's now
     # (a forkserver started under DETAIL kept wrapping every later run's groups; DDP then crashed).
     dist.set_debug_level_from_env()
-    sandbox.enter_rank()  # a graded run: the audit hook is in before any learner code loads
+    sandbox.enter_rank(store_path, doctor_path)  # a graded run: the audit hook is in before learner code loads
     if alive is not None:
         _drop_forkserver_alive_fd()
         _die_with_launcher(alive, env[RUN_MARKER_ENV].rsplit(":", 1)[-1])
