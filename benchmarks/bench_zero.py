@@ -21,7 +21,10 @@ one bucket per block plus one for the root's parameters, in backward order: what
 reduce-scatters at a time, and (ours steps AdamW on a bucket's chunk) temporaries no bigger
 than a unit's, as torch's per-parameter steps. Like FSDP2's defaults, ours keeps one
 reduce-scatter in flight (``max_in_flight=1``; FSDP2: ``reduce_scatter_max_input_buffers=1``)
-and prefetches one unit in backward. Torch DDP keeps its gradients as views of its buckets
+and prefetches one unit in backward. On a CPU, FSDP2's collectives are synchronous (the CPU
+waits for each, ``unshard_async_op=False``); ours ZeRO-3 waits likewise (``overlap_comm=False``),
+so its time and memory rows compare two contenders that overlap nothing. Ours ZeRO-2 still
+overlaps one reduce-scatter with backward, and FSDP2's ZeRO-2 does not: its time row says so. Torch DDP keeps its gradients as views of its buckets
 (``gradient_as_bucket_view``), as ours' flat buffers are, so the buckets are counted.
 ``memory_note`` in the JSON gives the peaks of ours with its defaults (one 25 MiB bucket, two
 reduce-scatters in flight, ZeRO-3's default units), measured in the same run.
@@ -30,6 +33,14 @@ Time: on benchmarks/harness.py: contenders rotated per repeat, one untimed warm-
 the slowest rank's time, 3 launches per world size; every contender's full parameters
 (FSDP2's DTensors and ours' shards gathered) checked against torch DDP's after the warm-up
 and after the last repeat (float32, rtol 1e-4, atol 1e-5), or ContenderMismatch.
+
+Process memory (``process peak`` rows): each contender alone in fresh processes (3 launches),
+built, stepped and dropped once, then built again and stepped twice; then per step the peak
+resident set above the resident set before that build, glibc returning every block over 64 KiB
+when freed. It counts what tensors do not: a backend's buffers (gloo copies a collective's input
+or output while it runs) and the allocator's. Ours ZeRO-3 overlapping its collectives (its
+defaults) measured 1.07x FSDP2's at W=2 and 1.13x at W=4 by this measure, with equal tensor peaks:
+a reduce-scatter in flight during the next unit's backward holds gloo's copy of a unit's gradient.
 
 Memory: one meter for all, ``LiveTensorBytes``: every tensor storage alive in the process,
 each once, sampled after every op and storage resize. Before the timed contenders exist, each
@@ -182,7 +193,10 @@ def _build(name: str, size: Size, lr_factor: float = 1.0) -> _Setup:
         zero = ZeroOptimizer(optimizer_class=torch.optim.AdamW, stage=int(name[len("ours ZeRO-")]), **config, **adamw)
         return _Setup(model, model, zero, _named(model))
     if name.startswith("ours ZeRO-3"):
-        config = {} if defaults else dict(units=list(model.blocks), prefetch=1, max_in_flight=1)  # as FSDP2
+        # As FSDP2: its units, one unit prefetched, one reduce-scatter at a time; and, as FSDP2 on a CPU
+        # (its collectives are synchronous there), each collective waited for at once: nothing in flight
+        # while compute runs (see the module docstring: what the process holds).
+        config = {} if defaults else dict(units=list(model.blocks), prefetch=1, max_in_flight=1, overlap_comm=False)
         fsdp = FullyShardedDataParallel(model, **config)
         return _Setup(fsdp, fsdp, torch.optim.AdamW(fsdp.parameters(), **adamw), _gathered(fsdp))
     from torch.distributed.fsdp import fully_shard
@@ -268,6 +282,68 @@ def _memory(size: Size, x: torch.Tensor, y: torch.Tensor, steps: int, names: lis
     return out
 
 
+# --------------------------------------------------------------------------- what the process holds
+# LiveTensorBytes sees tensors; a backend's own buffers (gloo copies inputs and keeps outputs of
+# collectives in flight on its threads) and the allocator's leftovers are memory the process holds
+# too. The resident set counts them: its high-water mark over a step (reset through
+# /proc/self/clear_refs) minus the resident set before the contender was built. Each rank makes glibc
+# map every block over 64 KiB on its own and return it when freed (mallopt M_MMAP_THRESHOLD, which also
+# stops glibc raising that threshold), so the resident set follows what is held, not what once was.
+MMAP_THRESHOLD, M_MMAP_THRESHOLD = 64 * 1024, -3  # glibc's malloc.h
+
+
+def _return_freed_blocks() -> None:
+    import ctypes
+    import ctypes.util
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1:
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: the resident set would keep freed blocks")
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _reset_high_water() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # Linux >= 4.0: VmHWM := VmRSS
+
+
+def _process_memory(size: Size, x: torch.Tensor, y: torch.Tensor, steps: int, name: str) -> list[int]:
+    """One contender alone in a fresh process: the resident set's peak during each of ``steps`` steps,
+    above the resident set before it was built (bytes). A first life (built, stepped, dropped) loads
+    code pages and does the backend's first-use setup before anything is counted."""
+    setup = _build(name, size)
+    _train(setup, x, y, 1)
+    del setup
+    gc.collect()
+    before = _status_kib("VmRSS")
+    setup = _build(name, size)
+    _train(setup, x, y, 2)  # unmetered, as in _memory
+    peaks = []
+    for _ in range(steps):
+        gc.disable()
+        try:
+            _reset_high_water()
+            _train(setup, x, y, 1)
+            peaks.append((_status_kib("VmHWM") - before) * 1024)
+        finally:
+            gc.enable()
+    return peaks
+
+
+def _worker_process_memory(rank: int, world_size: int, plan: "Plan", name: str) -> list[list[int]]:
+    torch.set_num_threads(1)
+    _return_freed_blocks()
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(plan.size.batch, plan.size.dim, generator=g), torch.randint(plan.size.classes, (plan.size.batch,), generator=g)
+    peaks = _process_memory(plan.size, x, y, plan.metered_steps, name)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, peaks)
+    return everyone
+
+
 # --------------------------------------------------------------------------- the worker
 @dataclass(frozen=True)
 class Plan:
@@ -277,9 +353,10 @@ class Plan:
     metered_steps: int      # memory: steps metered per contender (0: no memory pass)
     defaults: bool = False  # memory: also ours' wrappers with their defaults
     lr_factor: tuple[tuple[str, float], ...] = ()  # (contender, factor): a test makes one wrong on purpose
+    process_memory: bool = False  # also the resident set's peak, each contender in processes of its own
 
 
-FULL_PLAN = Plan(FULL, steps=2, repeats=6, metered_steps=1, defaults=True)
+FULL_PLAN = Plan(FULL, steps=2, repeats=6, metered_steps=1, defaults=True, process_memory=True)
 QUICK_PLAN = Plan(QUICK, steps=1, repeats=2, metered_steps=1)
 
 
@@ -302,6 +379,12 @@ def _worker(rank: int, world_size: int, plan: Plan) -> dict:
 
 # --------------------------------------------------------------------------- rows, note, table, plot
 MEMORY_MEANING = "peak bytes per rank during a step, ours / torch's; below 1: ours holds less"
+PROCESS_MEANING = ("peak resident set per rank during a step above the process before the contender was built "
+                   "(tensors, the backend's buffers, the allocator's), ours / torch's; below 1: ours holds less")
+# What a step-time ratio compares on gloo CPU ranks, where FSDP2's collectives are synchronous.
+TIME_MEANING = {1: "both overlap the gradient all-reduce with backward (DDP's buckets)",
+                2: "FSDP2 on a CPU waits for each collective; ours overlaps one reduce-scatter with backward",
+                3: "both wait for each collective (FSDP2 on a CPU; ours overlap_comm=False)"}
 
 
 def _peaks(memory: list[list[dict]]) -> list[list[int]]:
@@ -345,15 +428,23 @@ def _memory_note(result: dict) -> str:
     return "; ".join(defaults + above)
 
 
-def _rows(runs: list[dict], world_size: int, size: Size) -> dict[str, dict]:
+def _rows(runs: list[dict], world_size: int, size: Size, process: dict | None = None) -> dict[str, dict]:
     rows, what, memory = {}, size.describe(), _by_name(runs)
     for stage, (ours, torchs) in STAGES.items():
         rows[f"ZeRO-{stage} W={world_size} step time: {ours} / {torchs}"] = ratio_row(
             runs, ours, torchs, key=lambda result: result["timing"], world_size=world_size, size=what,
-            meaning=f"step time of {ours} / {torchs} (below 1: ours faster)")
+            meaning=f"step time of {ours} / {torchs} (below 1: ours faster; {TIME_MEANING[stage]})")
         if memory:
             rows[f"ZeRO-{stage} W={world_size} peak memory: {ours} / {torchs}"] = _memory_row(
                 memory, ours, torchs, world_size=world_size, size=what, load=load_of(runs))
+        if process and ours in process:
+            o, t = process[ours]["peaks"], process[torchs]["peaks"]  # per launch, per rank, per step
+            largest = lambda launch: [max(rank[k] for rank in launch) for k in range(len(launch[0]))]  # noqa: E731
+            rows[f"ZeRO-{stage} W={world_size} process peak: {ours} / {torchs}"] = stat_row(
+                [[a / b for a, b in zip(largest(lo), largest(lt))] for lo, lt in zip(o, t)], meaning=PROCESS_MEANING,
+                metric="bytes", unit="B", world_size=world_size, size=what, load=process[ours]["load"],
+                ours=statistics.median(v for lo in o for v in largest(lo)),
+                builtin=statistics.median(v for lt in t for v in largest(lt)))
     return rows
 
 
@@ -376,6 +467,16 @@ def _table(result: dict) -> list[dict]:
     return rows
 
 
+def _process_runs(plan: Plan, world_size: int, launches: int) -> dict[str, dict]:
+    """Contender -> its resident-set peaks (per launch, per rank, per step) and the load around them."""
+    out = {}
+    for name in CONTENDERS:
+        runs = launch(_worker_process_memory, world_size, plan, name, launches=launches, backend="gloo",
+                      timeout_s=600)
+        out[name] = {"peaks": [r["result"] for r in runs], "load": load_of(runs)}
+    return out
+
+
 def run(quick: bool = False, out_dir: Path | None = None, launches: int = 3,
         world_sizes: tuple[int, ...] | None = None) -> dict:
     out_dir = Path(out_dir or RESULTS)
@@ -390,13 +491,14 @@ def run(quick: bool = False, out_dir: Path | None = None, launches: int = 3,
                       "contender at a time, after two unmetered steps, the input batch left out; a row's ratio: "
                       "the largest peak over the ranks, ours / torch's, per launch"}
     for w in world_sizes:
+        process = _process_runs(plan, w, launches) if plan.process_memory else {}
         runs = launch(_worker, w, plan, launches=launches, backend="gloo", timeout_s=1800)
         result["per_world_size"][str(w)] = {
             "median_step_s": {n: statistics.median(t / plan.steps for r in runs
                                                    for t in r["result"]["timing"]["times"][n]) for n in CONTENDERS},
             "load": load_of(runs), "samples_s": [r["result"]["timing"]["times"] for r in runs],
-            "memory": _by_name(runs)}
-        result["comparisons"].update(_rows(runs, w, plan.size))
+            "memory": _by_name(runs), "process_peaks": process}
+        result["comparisons"].update(_rows(runs, w, plan.size, process))
     result["memory_note"] = _memory_note(result)
     result["table"] = _table(result)
     from distlab.plots import plot_bars
@@ -415,9 +517,12 @@ def run(quick: bool = False, out_dir: Path | None = None, launches: int = 3,
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small model, W=2, fewer repeats")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=None, help="default: 2 4 (--quick: 2)")
+    parser.add_argument("--launches", type=int, default=3, help="fresh process groups per world size")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    result = run(quick=args.quick)
+    result = run(quick=args.quick, launches=args.launches,
+                 world_sizes=tuple(args.world_sizes) if args.world_sizes else None)
     path = write_result("zero", result)
     print(format_table(result["table"]))
     print("peak/rank: the largest over ranks, launches and metered steps, split at that moment; "

@@ -505,6 +505,38 @@ def test_zero3_frees_each_unit_after_its_backward():
     run_distributed(_worker_zero3_frees, 2)
 
 
+def _worker_zero3_blocking(rank, world_size):
+    """overlap_comm=False (FSDP2 on a CPU): no collective in flight whenever backward computes."""
+    overlapped, blocking = _zero(3, seeded(Deep, 0).double()), _zero(3, seeded(Deep, 0).double(), overlap_comm=False)
+    in_flight: list[str] = []
+
+    def look(where: str) -> None:  # registered after the wrapper's hooks: runs once they have
+        in_flight.extend(f"{where}: unit {u.names[0]} {kind}" for u in blocking.units
+                         for kind, h in (("all-gather", u.gather), ("reduce-scatter", u.handle)) if h is not None)
+
+    for u in blocking.units:
+        u.module.register_full_backward_pre_hook(lambda m, g, u=u: look(f"before {u.names[0]}'s backward"))
+        for p in u.params:
+            p.register_post_accumulate_grad_hook(lambda p, u=u: look(f"after a gradient of {u.names[0]}'s unit"))
+    opts = [_adamw(overlapped), _adamw(blocking)]
+    g = torch.Generator().manual_seed(3)
+    for step in range(2):
+        x, y = torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randint(3, (8,), generator=g)
+        for fsdp, opt in zip((overlapped, blocking), opts):
+            opt.zero_grad()
+            _loss(fsdp(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+            opt.step()
+        assert not in_flight, f"rank {rank}, step {step}: in flight while backward computes: {in_flight[:3]}"
+    # The same collectives in the same order, only waited for earlier: bitwise the same shards.
+    for u, v in zip(overlapped.units, blocking.units):
+        assert torch.equal(u.shard, v.shard), f"rank {rank}: unit {u.names[0]} differs with overlap_comm=False"
+
+
+@pytest.mark.exercise("3.17-3.18 ZeRO-3")
+def test_zero3_without_overlap_keeps_nothing_in_flight_and_matches_overlapped():
+    run_distributed(_worker_zero3_blocking, 2)
+
+
 def _bf16_model(kind: str, seed: int) -> nn.Module:
     if kind == "mlp":
         return seeded(ToyMLP, seed, 6, 10, 3)

@@ -54,6 +54,10 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         compute_dtype: dtype of the gathered parameters (None: their own); modules holding
             frozen or replicated parameters run in those parameters' dtype (inputs cast, outputs back).
         prefetch: units gathered ahead in backward; max_in_flight: reduce-scatters in flight; group: None: WORLD.
+        overlap_comm: False: every all-gather and reduce-scatter is waited for as soon as it is launched,
+            as FSDP2 does on a CPU (its collectives are synchronous there): none is in flight while compute
+            runs, so neither are the backend's own buffers (gloo copies a collective's input or output
+            while it runs: up to a unit's bytes each, which no tensor meter sees).
 
     ``state_dict()`` holds the single-process names (my part of each sharded parameter; whole
     tensors: ``fsdp_state.full_state_dict``). Inside ``no_sync()`` (or after
@@ -72,13 +76,13 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] | None = None, *,
                  units: list[nn.Module] | None = None, replicate: Iterable[str] = (),
                  compute_dtype: torch.dtype | None = None, prefetch: int = 1, max_in_flight: int = 2,
-                 group: dist.ProcessGroup | None = None, **optim_kwargs: Any) -> None:
+                 overlap_comm: bool = True, group: dist.ProcessGroup | None = None, **optim_kwargs: Any) -> None:
         super().__init__()
         if optim_kwargs and optimizer_cls is None:
             raise TypeError(f"optimizer arguments {sorted(optim_kwargs)} without optimizer_cls: build the "
                             f"optimizer on fsdp.parameters() after wrapping")
         self.module, self.group, self.compute_dtype = model, group, compute_dtype
-        self.prefetch, self.max_in_flight = prefetch, max(1, max_in_flight)
+        self.prefetch, self.max_in_flight, self.overlap_comm = prefetch, max(1, max_in_flight), overlap_comm
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         broadcast_module(model, group)  # replicas start equal to rank 0's (Phase 1's lesson)
         units = default_units(model) if units is None else list(units)
@@ -140,7 +144,8 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         self._unshard(u, wait=True)
         later = self._order[self._order.index(u) + 1:]
         for v in [v for v in later if not v.ready][:self.prefetch]:
-            self._unshard(v, wait=False)  # prefetch: its all-gather overlaps u's backward
+            # prefetch: its all-gather overlaps u's backward (overlap_comm=False: done before it starts)
+            self._unshard(v, wait=not self.overlap_comm)
 
     # ------------------------------------------------------------------ gather / free
     @torch.no_grad()
@@ -223,6 +228,8 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
                                               async_op=True), out)
             # ### END SOLUTION 3.18b
             self.overlap.launch()
+            if not self.overlap_comm:
+                self._retire(u)
             self._next += 1
 
     @torch.no_grad()
