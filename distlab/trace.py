@@ -190,7 +190,7 @@ def events_of(raw: dict, pid: int, t0: float) -> list[dict]:
             events.append({"name": "compute", "cat": "compute", "ph": "X", "pid": pid, "tid": tid,
                            "ts": _us(cursor, t0), "dur": _us(start, cursor), "args": {}})
         cursor = max(cursor, end)
-    return events
+    return events[:3] + sorted(events[3:], key=lambda e: (e["ph"] != "M", e.get("ts", 0.0)))
 
 
 def merge(folder: str | Path, world: str | None = None) -> Path | None:
