@@ -80,7 +80,7 @@ def test_slurm_sbatch_runs_comm_on_two_nodes_at_the_head_nodes_address(tmp_path)
         # a loopback endpoint would work all the same, so the address itself is checked.
         endpoints = re.findall(r"--rdzv_endpoint=(\S+):(\d+)", output)
         assert len(endpoints) == NODES, f"{NODES} torchrun commands expected, one per node:\n{report}"
-        head_node = slurm.run("scontrol", "show", "hostnames", f"n[1-{NODES}]").stdout.split()[0]
+        head_node = slurm.nodes[0]  # the first node of the job's allocation (all of them here)
         head = _head_addresses(slurm, head_node)
         for addr, used_port in endpoints:
             assert not ipaddress.ip_address(addr).is_loopback, (
