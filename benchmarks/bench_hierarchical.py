@@ -16,7 +16,8 @@ order of summation is exact), on the same tensor, in the same launches:
   leader, all-reduce among the 2 leaders, broadcast inside the node.
 
 The alpha-beta model (allreduce_algorithms' docstring) with both links measured in the same launch
-(alpha: half a round trip of 4 bytes; beta: a one-way PROBE_BYTES transfer answered by 4 bytes):
+(alpha: half a round trip of 4 bytes; beta: a one-way transfer of PROBE_BYTES between nodes,
+INTRA_PROBE_BYTES inside one, answered by 4 bytes):
 
   flat ring      2(W-1) (alpha_inter + n/W beta_inter)   every step waits for its node-crossing hop
   hierarchical   2 log2(G) alpha_intra + 2 n beta_intra + 2(M-1) (alpha_inter + n/M beta_inter)
@@ -56,6 +57,7 @@ NODES, RANKS_PER_NODE = 2, 2
 RATE_MBIT = 40  # between nodes; a 4 MiB ring all-reduce then takes ~1.3 s, loopback ~100x less
 SIZES, QUICK_SIZES = [1 * MiB, 4 * MiB], [1 * MiB]
 PROBE_BYTES = 2 * MiB  # ~0.4 s across nodes at 40 Mbit/s: the per-message alpha is < 1% of it
+INTRA_PROBE_BYTES = 32 * MiB  # ~10 ms over loopback: 2 MiB took about one round trip there, too noisy
 FLAT_RING, FLAT_GLOO, HIER = "flat ring (3.3)", "dist.all_reduce (gloo)", "hierarchical (3.6)"
 MARK = "HIERARCHICAL-RESULT "  # the line rank 0 prints its measurements on
 # The rendezvous port inside node0's own network namespace (a bridge network made for this run):
@@ -142,7 +144,7 @@ def worker(sizes: list[int], probe_bytes: int, repeats: int) -> dict | None:
         if any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
             raise RuntimeError(f"ranks are not placed in consecutive blocks of {g} per node: {hosts}")
         groups = algos.make_node_groups(g)
-        links = {"intra": _measure_link(0, 1, probe_bytes), "inter": _measure_link(g - 1, g, probe_bytes)}
+        links = {"intra": _measure_link(0, 1, INTRA_PROBE_BYTES), "inter": _measure_link(g - 1, g, probe_bytes)}
         out = {"hosts": hosts, "links": links, "by_size": {}}
         fns = {FLAT_GLOO: dist.all_reduce, FLAT_RING: ring.ring_allreduce,
                HIER: lambda t: algos.hierarchical_allreduce(t, groups)}
@@ -169,7 +171,7 @@ class ShapedNodes:
     ``close`` removes the containers and the network; use it in ``finally``.
     """
 
-    def __init__(self, image: str, nodes: int, rate_mbit: float) -> None:
+    def __init__(self, image: str, nodes: int, rate_mbit: float, sysctls: tuple[str, ...] = ()) -> None:
         from tests.cluster.engine import REPO, docker, python_mounts
 
         self.docker, self.rate_mbit = docker, rate_mbit
@@ -186,7 +188,7 @@ class ShapedNodes:
         for i in range(nodes):
             name = f"{self.prefix}-node{i}"
             docker("run", "-d", "--rm", "--init", "--name", name, "--hostname", name, "--network", self.network,
-                   "--cap-add", "NET_ADMIN", *mounts, "-w", str(REPO),
+                   "--cap-add", "NET_ADMIN", *[a for x in sysctls for a in ("--sysctl", x)], *mounts, "-w", str(REPO),
                    *[a for k, v in env.items() for a in ("-e", f"{k}={v}")], image, "tail", "-f", "/dev/null",
                    timeout=120)
             self.names.append(name)
@@ -295,7 +297,8 @@ def _check_shaping(runs: list[dict], rate_mbit: float) -> None:
 
 
 # --------------------------------------------------------------------------- run
-def run(quick: bool = False, out_dir: Path | None = None, launches: int = 3, rate_mbit: float = RATE_MBIT) -> dict:
+def run(quick: bool = False, out_dir: Path | None = None, launches: int = 3, rate_mbit: float = RATE_MBIT,
+        sysctls: tuple[str, ...] = ()) -> dict:
     from tests.cluster.engine import EngineUnavailable, base_image, start_engine
 
     sizes, repeats = (QUICK_SIZES, 3) if quick else (SIZES, 5)
@@ -308,7 +311,7 @@ def run(quick: bool = False, out_dir: Path | None = None, launches: int = 3, rat
         except EngineUnavailable as exc:
             return _not_rerun(str(exc))
         started = time.monotonic()
-        nodes = ShapedNodes(image, NODES, rate_mbit)
+        nodes = ShapedNodes(image, NODES, rate_mbit, sysctls)
         args = ["--sizes", *map(str, sizes), "--probe-bytes", str(PROBE_BYTES), "--repeats", str(repeats)]
         runs = []
         for i in range(launches):
@@ -327,7 +330,7 @@ def run(quick: bool = False, out_dir: Path | None = None, launches: int = 3, rat
             row["load"] = {"before_max": max(r["loadavg_before"][0] for r in runs),
                            "after_max": max(r["loadavg_after"][0] for r in runs), "cores": os.cpu_count()}
     return {"name": "hierarchical", "machine": machine_info(), "launches": launches, "repeats": repeats,
-            "sizes": sizes, "rate_mbit": rate_mbit, "nodes": NODES, "ranks_per_node": RANKS_PER_NODE,
+            "sizes": sizes, "rate_mbit": rate_mbit, "sysctls": list(sysctls), "nodes": NODES, "ranks_per_node": RANKS_PER_NODE,
             "note": "containers as nodes on a bridge network, each node's eth0 egress limited by tc tbf; ranks "
                     "of a node talk over its loopback. Contenders rotated per repeat, results bitwise equal, "
                     "a repeat's time is the slowest rank's; links measured in every launch",
@@ -353,6 +356,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="1 MiB only, 3 repeats, 3 launches")
     parser.add_argument("--launches", type=int, default=3, help="fresh torchrun jobs (>= 3 for a spread)")
     parser.add_argument("--rate-mbit", type=float, default=RATE_MBIT, help="tbf rate between nodes")
+    parser.add_argument("--sysctl", action="append", default=[],
+                        help="a node's network sysctl for a diagnosis (e.g. net.ipv4.tcp_slow_start_after_idle=0)")
+    parser.add_argument("--out", default="hierarchical", help="results name: benchmarks/results/<out>.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a rank, under torchrun
     parser.add_argument("--sizes", type=int, nargs="*", default=SIZES, help=argparse.SUPPRESS)
     parser.add_argument("--probe-bytes", type=int, default=PROBE_BYTES, help=argparse.SUPPRESS)
@@ -363,10 +369,10 @@ def main(argv: list[str] | None = None) -> None:
         if result is not None:
             print(MARK + json.dumps(result), flush=True)
         return
-    result = run(quick=args.quick, launches=args.launches, rate_mbit=args.rate_mbit)
+    result = run(quick=args.quick, launches=args.launches, rate_mbit=args.rate_mbit, sysctls=tuple(args.sysctl))
     if "not_rerun" in result:
         raise SystemExit(f"not run: {result['not_rerun']}")
-    path = write_result("hierarchical", result)
+    path = write_result(args.out, result)
     for name, row in result["comparisons"].items():
         print(f"   {name:<60} {format_row(row)}\n      {row['meaning']}")
     print(f"wrote {path}")
