@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,8 +54,9 @@ def run_check(ex: Exercise, root: Path, trace_dir: Path | None = None, repo: Pat
         env = dict(os.environ, **{EXERCISES_ENV: json.dumps([ex.name]), TIE_ENV: str(os.getpid())})
         env.pop("PYTEST_ADDOPTS", None)
         if trace_dir is not None:
-            from distlab.trace import TRACE_ENV
+            from distlab.trace import RAW, TRACE_ENV
 
+            shutil.rmtree(Path(trace_dir) / RAW, ignore_errors=True)  # this check's worlds only
             env[TRACE_ENV] = str(Path(trace_dir).resolve())
         proc = subprocess.run(pytest_command(ex, root, results, repo), cwd=repo, env=env, capture_output=True,
                               text=True, timeout=TIMEOUT_S)
