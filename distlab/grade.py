@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       "visibility": "visible", "tests": []}, indent=2))
                 print(f"submission refused: {exc}; wrote {args.out}")
                 return 0
+            if os.geteuid() == 0:
+                os.chmod(copy, 0o755)  # ranks that run as DISTLAB_RANK_USER read the submission from here
             print(f"grading {len(taken)} submitted file(s): {', '.join(taken) or 'none'}")
             results = grade(copy, args.out, "templates", args.tests, extra)
             results["output"] = f"graded the submitted files: {', '.join(taken) or 'none'}"

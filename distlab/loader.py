@@ -104,6 +104,10 @@ def _exec_guarded(run, rel: str) -> None:
     from distlab.isolation import BenchGuard
 
     guard, before = BenchGuard(), set(sys.modules)
+    from distlab import launch, sandbox
+
+    if launch._IN_RUN_DISTRIBUTED:
+        sandbox.drop_privileges()  # a rank graded as root: the learner's code runs as the unprivileged user
     run()
     changed = guard.restore()
     reached = sorted(m for m in set(sys.modules) - before if m.split(".")[0] in ("solutions", "tests"))

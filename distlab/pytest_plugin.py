@@ -71,12 +71,44 @@ def pytest_configure(config):
 
     tie_to(os.environ.get(TIE_ENV))
     os.environ[TIE_ENV] = str(os.getpid())
+    if config.getoption("--impl") == "templates":
+        _isolate_graded_run()
     config.addinivalue_line("markers", "exercise(name): the exercise a test grades")
     config.addinivalue_line("markers", "scaffold: checks code that templates provide ready-made")
     config.addinivalue_line("markers", "gpu: needs CUDA (skipped without enough GPUs)")
     config._distlab_results = OrderedDict()
     config._distlab_collected = {}  # nodeid -> exercise, graded tests collected (selected or deselected)
     config._distlab_deselected = set()  # nodeids of those left out by -k, -m, --deselect, ...
+
+
+def _isolate_graded_run() -> None:
+    """A graded run: the sandbox's audit hook in this process too (single-process tests load templates
+    here); as root with ranks to run as an unprivileged user (grading/gradescope/run_autograder), the
+    reference modules preloaded by the forkserver, so ranks have them once they cannot read the files."""
+    from distlab import sandbox
+
+    sandbox.install_hook()
+    if os.environ.get(sandbox.RANK_USER_ENV) and os.geteuid() == 0:
+        from multiprocessing import forkserver
+
+        from distlab.launch import _context
+
+        reference = [f"solutions.{p.parent.name}.{p.stem}" for p in sorted(REPO.glob("solutions/phase*/*.py"))
+                     if p.stem != "__init__"]
+        _context().set_forkserver_preload(forkserver._forkserver._preload_modules + reference)
+
+
+@pytest.fixture(autouse=True)
+def _tmp_path_open_to_rank_user(request):
+    """Ranks graded as the unprivileged user write checkpoints to the test's tmp_path (pytest makes it 0700)."""
+    from distlab.sandbox import RANK_USER_ENV
+
+    if os.environ.get(RANK_USER_ENV) and os.geteuid() == 0 and "tmp_path" in request.fixturenames:
+        path = request.getfixturevalue("tmp_path")
+        os.chmod(path, 0o777)
+        for parent in list(path.parents)[:3]:  # test dir, numbered basetemp, pytest-of-root
+            os.chmod(parent, parent.stat().st_mode | 0o011)
+    yield
 
 
 class _OneLine:

@@ -97,20 +97,61 @@ def graded() -> bool:
     return os.environ.get(IMPL_ENV) == "templates"
 
 
-def enter_rank() -> None:
-    """At a rank's start, before any learner code: the audit hook, and the bench's verdict functions remembered."""
-    global _learner_roots, _guard
-    if not graded():
-        return
-    from distlab.isolation import BenchGuard
+def install_hook() -> None:
+    """The audit hook, in this process for good (a graded rank, or the pytest process of a graded run,
+    where single-process tests load templates)."""
+    global _learner_roots
     from distlab.loader import STUDENT_DIR_ENV
 
+    if _learner_roots:
+        return
     roots = [str(REPO) + os.sep]
     if os.environ.get(STUDENT_DIR_ENV):
         roots.append(os.path.abspath(os.environ[STUDENT_DIR_ENV]) + os.sep)
     _learner_roots = tuple(roots)
-    _guard = BenchGuard()
     sys.addaudithook(_hook)
+
+
+RANK_USER_ENV = "DISTLAB_RANK_USER"  # set by grading/gradescope/run_autograder when it runs as root
+_scratch: tuple[str, ...] = ()
+
+
+def enter_rank(*scratch: str) -> None:
+    """At a rank's start, before any learner code: the audit hook, and the bench's verdict functions
+    remembered. ``scratch``: the run's own files (store, doctor records) the rank still needs once it
+    runs as the unprivileged user."""
+    global _guard, _scratch
+    if not graded():
+        return
+    from distlab.isolation import BenchGuard
+
+    _scratch = tuple(p for p in scratch if p)
+    _guard = BenchGuard()
+    install_hook()
+
+
+def drop_privileges() -> None:
+    """Before a rank runs learner code, as root with ``DISTLAB_RANK_USER`` set: become that user.
+
+    grading/gradescope/lockdown.sh made the reference, the tests and the grading files readable by
+    root only; the reference modules a test needs are already in memory (the forkserver preloads them,
+    see distlab/pytest_plugin.py), so only the learner loses them. The run's scratch files (the
+    process group's FileStore, the doctor's records) are opened to the user first.
+    """
+    user = os.environ.get(RANK_USER_ENV)
+    if not user or os.geteuid() != 0 or not graded():
+        return
+    import pwd
+
+    entry = pwd.getpwnam(user)
+    for path in _scratch:
+        folder = os.path.dirname(path)
+        os.chmod(folder, 0o733)  # the user may create files (the flight recorder) but not list them
+        for name in os.listdir(folder):
+            os.chmod(os.path.join(folder, name), 0o666)
+    os.setgroups([])
+    os.setgid(entry.pw_gid)
+    os.setuid(entry.pw_uid)  # real, effective and saved: there is no way back to root
 
 
 def leave_rank(message: tuple) -> tuple:

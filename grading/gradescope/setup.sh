@@ -6,3 +6,5 @@ cd /autograder/source
 apt-get update -q && apt-get install -y -q python3 python3-pip python3-venv >/dev/null
 python3 -m venv /autograder/venv
 /autograder/venv/bin/pip install -q -r requirements.txt
+# Last: the reference, the tests and the grading files readable by root only; ranks run as distlab-student.
+bash grading/gradescope/lockdown.sh /autograder/source distlab-student

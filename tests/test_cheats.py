@@ -1,0 +1,215 @@
+"""The cheat catalogue: a determined student's submissions, graded as Gradescope grades them.
+
+Each folder of tests/cheats/ is one cheat (its docstring says what it tries), a template file
+that scores without implementing its exercise if nothing stops it. Every one goes through
+grading/gradescope/run_autograder, from the autograder bundle unpacked in a scratch folder (so
+the reference and the tests sit beside the submission, as on Gradescope, and a cheat that
+writes files can only spoil the scratch copy), and must score 0 for its exercise with a
+one-line reason. Cheats on different template files share a grading run (four per run) and
+each exercise runs one cheap test (-k): the reason is what is checked, not the whole exercise.
+What stops each one is in README.md's grading section.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CHEATS = REPO / "tests" / "cheats"
+
+# Template file -> (exercise, the one test run for it).
+GRADED = {
+    "template_collectives.py": ("1.1-1.3 all-reduce three ways",
+                                "allreduce_matches_builtin_and_single_process and 2-allreduce_allgather_sum"),
+    "template_data_loader.py": ("1.4-1.5 distributed sampler", "sampler_shards_are_disjoint"),
+    "template_trainer.py": ("1.6-1.8 naive data parallel", "naive_dp_matches_single_process and 2-1.7-mlp"),
+    "template_tp_primitives.py": ("2.15-2.16 tensor-parallel conjugate functions",
+                                  "tp_primitives_match_single_process and not 3 and not 4"),
+}
+# Each run grades one cheat per template file; the reason names the defence that stopped it.
+ROUNDS = [
+    {"lazy_import_inside_function": "solutions.phase1_data_parallel",
+     "builtins_via_sys_modules": "`import sys` is not allowed",
+     "bench_copy_distlab_sync": "`from distlab.sync import allreduce_gradients` is not allowed",
+     "bench_copy_distlab_tp": "`from distlab.tp import copy_to_region` is not allowed"},
+    {"builtins_via_getattr": "`import builtins` is not allowed",
+     "gc_search_for_reference": "`import gc` is not allowed",
+     "exec_compile_open_reference": "`compile` is not allowed",
+     "runpy_run_path": "`import runpy` is not allowed"},
+    {"harness_load_solutions": "`from distlab.loader import load` is not allowed",
+     "read_test_file": "`open` is not allowed",
+     "patch_assert_tensors_close_code": "`from distlab import testing` is not allowed",
+     "patch_torch_equal": "an assignment to `torch.equal`"},
+    {"patch_test_module_helpers": "`import sys` is not allowed",
+     "carry_over_patch_at_import": "changed the bench's torch.testing.assert_close when imported",
+     "inspect_stack_caller_locals": "`import inspect` is not allowed",
+     "ctypes_memory": "`import ctypes` is not allowed"},
+    {"runtime_patch_in_rank": "graded code changed the bench's torch.equal",
+     "rigged_eq": "a `__eq__` method (it could rig a comparison)",
+     "write_reference_file": "`open` is not allowed",
+     "environ_impl_solutions": "`import os` is not allowed"},
+]
+
+
+def cheat_file(name: str) -> Path:
+    (path,) = (CHEATS / name).glob("template_*.py")
+    return path
+
+
+def test_every_cheat_is_graded_in_a_round():
+    folders = {p.name for p in CHEATS.iterdir() if p.is_dir()}
+    in_rounds = [name for r in ROUNDS for name in r]
+    assert sorted(in_rounds) == sorted(folders), "each folder of tests/cheats/ must be in exactly one round"
+    for r in ROUNDS:
+        files = [cheat_file(name).name for name in r]
+        assert len(files) == len(set(files)), f"one cheat per template file in a run: {files}"
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """The autograder bundle, unpacked: the instructor's checkout as Gradescope holds it."""
+    from distlab.grade import autograder_zip
+
+    where = tmp_path_factory.mktemp("autograder")
+    with zipfile.ZipFile(autograder_zip(where / "autograder.zip")) as z:
+        z.extractall(where / "source")
+    return where / "source"
+
+
+def run_autograder(source: Path, root: Path, files: dict[str, Path], exercises: list[str], k: str) -> dict:
+    """Gradescope's entry point, dry-run on a submission of ``files`` (name in the upload -> file)."""
+    for rel, path in files.items():
+        (root / "submission" / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, root / "submission" / rel)
+    args = " ".join(f"'{e}'" for e in exercises)
+    env = {**os.environ, "AUTOGRADER": str(root), "SOURCE": str(source), "PYTHON": sys.executable,
+           "GRADE_ARGS": f"--exercises {args} -- -k '{k}'"}
+    proc = subprocess.run(["bash", str(source / "run_autograder")], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((root / "results" / "results.json").read_text())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("round_", range(len(ROUNDS)), ids=lambda i: "+".join(ROUNDS[i]))
+def test_each_cheat_scores_zero_with_its_reason(round_, source, tmp_path):
+    cheats = {cheat_file(name).name: (name, reason) for name, reason in ROUNDS[round_].items()}
+    exercises = [GRADED[f][0] for f in cheats]
+    k = " or ".join(f"({GRADED[f][1]})" for f in cheats)
+    results = run_autograder(source, tmp_path, {f"{name}/{f}": cheat_file(name) for f, (name, _) in cheats.items()},
+                             exercises, k)
+    by_name = {t["name"]: t for t in results["tests"]}
+    for f, (name, reason) in cheats.items():
+        test = by_name[GRADED[f][0]]
+        assert test["score"] == 0, f"cheat {name} scored {test['score']}: {test['output']}"
+        assert reason in test["output"], f"cheat {name}: expected {reason!r} in the reason, got {test['output']!r}"
+    written = source / "tests" / "test_phase1.py"
+    assert "_worker_naive_dp(*args" not in written.read_text(), "a template wrote to the tests"
+
+
+def test_a_patch_at_import_is_put_back_for_the_exercises_graded_after_it(tmp_path, monkeypatch):
+    """The carry-over: the sampler tests load the template in pytest's own process."""
+    import torch
+
+    from distlab import loader
+
+    (tmp_path / "phase1_data_parallel").mkdir()
+    shutil.copy(cheat_file("carry_over_patch_at_import"), tmp_path / "phase1_data_parallel")
+    monkeypatch.setenv(loader.IMPL_ENV, "templates")
+    monkeypatch.setenv(loader.STUDENT_DIR_ENV, str(tmp_path))
+    original = torch.testing.assert_close
+    try:
+        with pytest.raises(loader.IntegrityError, match="torch.testing.assert_close"):
+            loader.load("phase1_data_parallel", "data_loader")
+        assert torch.testing.assert_close is original, "the patch outlived the refused template"
+    finally:
+        torch.testing.assert_close = original
+
+
+def test_untouched_templates_grade_and_an_honest_submission_scores(source, tmp_path):
+    """Nothing submitted but untouched templates: 0, no crash. Finished regions copied in: full marks."""
+    from distlab import bugs
+
+    solution = REPO / "solutions" / "phase1_data_parallel" / "data_loader.py"
+    honest = tmp_path / "template_data_loader.py"
+    honest.write_text(bugs.render_partial(solution, set(re.findall(r"BEGIN SOLUTION (\S+):", solution.read_text()))))
+    untouched = REPO / "phase1_data_parallel" / "template_collectives.py"
+    exercises = [GRADED["template_collectives.py"][0], GRADED["template_data_loader.py"][0]]
+    k = f"({GRADED['template_collectives.py'][1]}) or ({GRADED['template_data_loader.py'][1]})"
+    results = run_autograder(source, tmp_path / "ag", {"template_data_loader.py": honest,
+                                                       "template_collectives.py": untouched}, exercises, k)
+    by_name = {t["name"]: t for t in results["tests"]}
+    assert by_name[exercises[1]]["score"] == 2, by_name[exercises[1]]
+    assert by_name[exercises[0]]["score"] == 0 and "TODO 1.2" in by_name[exercises[0]]["output"], by_name[exercises[0]]
+
+
+def test_duplicate_uploads_are_refused_naming_both(source, tmp_path):
+    first = REPO / "phase1_data_parallel" / "template_collectives.py"
+    results = run_autograder(source, tmp_path, {"a/template_collectives.py": first,
+                                                "b/template_collectives.py": cheat_file("lazy_import_inside_function")},
+                             [GRADED["template_collectives.py"][0]], GRADED["template_collectives.py"][1])
+    assert results["score"] == 0 and not results["tests"], results
+    assert "a/template_collectives.py and b/template_collectives.py" in results["output"], results["output"]
+
+
+# --------------------------------------------------------------------------- as root, as on Gradescope
+def _worker_reads_after_drop(rank, world_size, locked_file):
+    import pwd
+
+    import torch.distributed as dist
+
+    from distlab import sandbox
+
+    sandbox.drop_privileges()  # what the loader does before a template runs in a graded rank
+    try:
+        with open(locked_file) as f:
+            f.read()
+        readable = True
+    except PermissionError:
+        readable = False
+    dist.barrier()  # the process group's store still works for the unprivileged user
+    return pwd.getpwuid(os.geteuid()).pw_name, readable
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the root path needs root, as Gradescope runs the grader")
+def test_a_graded_rank_started_as_root_cannot_read_root_only_files(tmp_path, monkeypatch):
+    from distlab import loader, sandbox
+    from distlab.launch import run_distributed
+
+    locked = tmp_path / "reference.py"
+    locked.write_text("SECRET = 1\n")
+    locked.chmod(0o600)  # as lockdown.sh leaves solutions/
+    monkeypatch.setenv(loader.IMPL_ENV, "templates")
+    monkeypatch.setenv(sandbox.RANK_USER_ENV, "nobody")
+    assert run_distributed(_worker_reads_after_drop, 2, str(locked), timeout_s=60) == [("nobody", False)] * 2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(os.geteuid() != 0, reason="the root path needs root, as Gradescope runs the grader")
+def test_a_locked_down_bundle_grades_honest_work_and_refuses_a_cheat(tmp_path):
+    """setup.sh's lockdown on the unpacked bundle (user nobody), then run_autograder as root."""
+    from distlab import bugs
+    from distlab.grade import autograder_zip
+
+    with zipfile.ZipFile(autograder_zip(tmp_path / "autograder.zip")) as z:
+        z.extractall(tmp_path / "source")
+    source = tmp_path / "source"
+    subprocess.run(["bash", str(source / "grading/gradescope/lockdown.sh"), str(source), "nobody"], check=True)
+    assert (source / "solutions").stat().st_mode & 0o077 == 0
+    solution = REPO / "solutions" / "phase1_data_parallel" / "collectives.py"
+    honest = tmp_path / "template_collectives.py"
+    honest.write_text(bugs.render_partial(solution, set(re.findall(r"BEGIN SOLUTION (\S+):", solution.read_text()))))
+    files = {"template_collectives.py": honest, "template_data_loader.py": cheat_file("read_test_file")}
+    exercises = [GRADED[f][0] for f in files]
+    results = run_autograder(source, tmp_path / "ag", files, exercises, " or ".join(f"({GRADED[f][1]})" for f in files))
+    by_name = {t["name"]: t for t in results["tests"]}
+    assert by_name[exercises[0]]["score"] == 3, by_name[exercises[0]]  # ranks ran it as nobody
+    assert by_name[exercises[1]]["score"] == 0, by_name[exercises[1]]
