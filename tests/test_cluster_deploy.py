@@ -149,20 +149,27 @@ def _sbatch(tmp_path: Path, gpus_per_node: str, venv: bool = True) -> tuple[subp
     return out, log.read_text().splitlines() if log.exists() else []
 
 
+@pytest.fixture(scope="module")
+def sbatch_8(tmp_path_factory) -> tuple[subprocess.CompletedProcess, list[str], Path]:
+    """One run with --gpus-per-node=8, shared by the tests that only read what it launched."""
+    tmp_path = tmp_path_factory.mktemp("sbatch")
+    return (*_sbatch(tmp_path, "8"), tmp_path)
+
+
 def _launch_flag(args: list[str], name: str) -> str:
     return next(a.split("=", 1)[1] for a in args if a.startswith(f"--{name}="))
 
 
-def test_slurm_head_address_is_not_loopback_where_hosts_maps_the_name_to_it(tmp_path):
-    out, args = _sbatch(tmp_path, "8")
+def test_slurm_head_address_is_not_loopback_where_hosts_maps_the_name_to_it(sbatch_8):
+    out, args, tmp_path = sbatch_8
     assert out.returncode == 0, out.stderr
     endpoint = _launch_flag(args, "rdzv_endpoint")
     assert endpoint == "10.9.0.11:29500", f"the other nodes would dial {endpoint}: not the head node's address " \
                                           "(hostname --ip-address prints 127.0.1.1 where /etc/hosts says so)"
 
 
-def test_slurm_launcher_is_on_the_path_the_job_step_gets(tmp_path):
-    out, args = _sbatch(tmp_path, "8")
+def test_slurm_launcher_is_on_the_path_the_job_step_gets(sbatch_8):
+    out, args, tmp_path = sbatch_8
     assert out.returncode == 0, out.stderr
     program = next(a.split("=", 1)[1] for a in args if a.startswith("program="))
     assert program == str(tmp_path / "venv" / "bin" / "python"), \
@@ -174,15 +181,16 @@ def test_slurm_launcher_is_on_the_path_the_job_step_gets(tmp_path):
                                                                           f"{check.stderr}"
 
 
-def test_slurm_runs_the_capstone_with_a_checkpoint_directory_per_job(tmp_path):
-    out, args = _sbatch(tmp_path, "8")
+def test_slurm_runs_the_capstone_with_a_checkpoint_directory_per_job(sbatch_8):
+    out, args, tmp_path = sbatch_8
     assert out.returncode == 0, out.stderr
     assert args[args.index("-m") + 1] == "demos.imagenet", args
     assert _launch_flag(args, "checkpoint-dir").startswith("/shared/checkpoints/distlab-imagenet-4242/"), args
     assert _launch_flag(args, "rdzv_id") == "4242" and _launch_flag(args, "nnodes") == "2", args
+    assert _launch_flag(args, "nproc_per_node") == "8", f"--gpus-per-node=8: {args}"
 
 
-@pytest.mark.parametrize("gpus, nproc", [("8", "8"), ("a100:8", "8"), ("h100:4", "4")])
+@pytest.mark.parametrize("gpus, nproc", [("a100:8", "8"), ("h100:4", "4")])  # "8": sbatch_8
 def test_slurm_starts_one_rank_per_gpu_of_a_typed_request(tmp_path, gpus, nproc):
     out, args = _sbatch(tmp_path, gpus)
     assert out.returncode == 0, out.stderr
