@@ -8,6 +8,7 @@ cockpit's own code.
 """
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -97,10 +98,17 @@ def test_learner_plays_phase1_with_the_cockpit_only(copy: Path):
     assert "TODO 1.1 all-reduce by reduce + broadcast: not implemented yet" in out, out
     # the learner writes 1.1-1.3; check passes, status shows the progress
     solve(copy, {"1.1", "1.2", "1.3"})
-    out = distlab(copy, "check", "1.1")
+    out = distlab(copy, "check", "1.1", "--trace", str(copy / "trace"))
     passes = [l for l in out.splitlines() if l.strip().startswith("pass")]
     assert len(passes) == len(fails), out
     assert f"1.1-1.3 all-reduce three ways: {len(fails)}/{len(fails)} tests, 3.00/3 points, passing" in out, out
+    # --trace: every world the exercise's tests started, one process per rank, named after its test
+    trace = json.loads((copy / "trace" / "trace.json").read_text())
+    names = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"]
+    assert f"trace: {copy / 'trace' / 'trace.json'}" in out, out
+    assert len(trace["otherData"]["worlds"]) >= len(passes) - 1 and \
+        all(re.match(r"rank \d+ \(tests/test_phase1.py::test_allreduce_", n) for n in names), names
+    assert any(e.get("cat") == "comm" for e in trace["traceEvents"]), "the ranks' communication is in the trace"
     status = distlab(copy, "status")
     assert "Phase 1  [########............]  3/8 points, 1 of 3 exercises passing" in status, status
     assert re.search(r"passing\s+\d+/\d+ tests\s+3/3$", phase1_lines(status)["1.1-1.3 all-reduce three ways"]), status
