@@ -669,8 +669,9 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
     Without torchrun (no RANK in the environment) this runs as rank 0 of 1, so every
     script also runs as a plain ``python -m``.
 
-    The store is prefixed with torchrun's restart count: after an elastic restart,
-    ranks must not read the keys (addresses, barriers) the previous attempt left.
+    The store is prefixed with a generation the ranks agree on through the store
+    (``agree_on_generation``): after an elastic restart, ranks must not read the keys
+    (addresses, barriers) the previous start left in the reused store.
 
     Inside ``run_distributed`` (a process group already exists) it describes that
     group instead, so a script's ``main()`` can also be driven from a test: the device is
@@ -726,8 +727,8 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
     store = BoundTCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=(rank == 0 and not agent_store),
                           timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"distlab/attempt_{attempt}", store)
+    generation = agree_on_generation(store, rank, world_size)
+    store = dist.PrefixStore(f"distlab/generation_{generation}", store)
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         die_with_parent()  # the agent: a SIGKILLed agent cannot stop its workers itself
     tie_to(os.environ.get(TIE_ENV))
@@ -739,13 +740,53 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
         own = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                             timeout=timedelta(seconds=min(timeout_s, max(10.0, hang_timeout_s))),
                             wait_for_workers=False)
-        doctor.start_watchdog(dist.PrefixStore(f"distlab/attempt_{attempt}/doctor", own), rank, world_size,
+        doctor.start_watchdog(dist.PrefixStore(f"distlab/generation_{generation}/doctor", own), rank, world_size,
                               hang_timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s),
                             device_id=device if "nccl" in backend else None)
     trace.start_rank(rank, world_size, merge_when_done=True)  # DISTLAB_TRACE=DIR: DIR/trace.json when the job ends
     return DistEnv(rank, world_size, local_rank, backend, device)
+
+
+_REQUESTS = "distlab/generation_requests"  # a queue in the store: "ask:<id>" and "joined:<generation>"
+
+
+def agree_on_generation(store: dist.Store, rank: int, world_size: int) -> int:
+    """A number that is new at every start of the job and the same on all its ranks.
+
+    torchrun reuses one store across elastic restarts, so each start's keys need a prefix of
+    their own. Not TORCHELASTIC_RESTART_COUNT: when a node is lost, the agent whose worker
+    failed restarts counting one, while an agent that only saw the membership change restarts
+    without counting (torch's elastic agent: "membership changes do not count as retries"), so
+    the new ranks had different counts and, prefixed by them, waited for each other forever.
+    Nor the rendezvous round, which torch does not hand to workers. What all ranks of one start
+    share is the store and rank 0: rank 0 takes the next number from a counter, every other rank
+    asks rank 0 for it through a queue (blocking pops, no polling) and confirms once it has it.
+
+    The previous start's ranks are all stopped before this start begins (an agent stops its
+    workers before it rendezvouses again), so whatever they left in the queue is stale: rank 0
+    answers their questions too (no one reads the answers) and counts only confirmations of its
+    own generation. A rank that never comes makes the others fail at the store's timeout.
+
+    Collective: every rank of the start must call it (``init_from_env`` does).
+    """
+    if rank != 0:
+        me = uuid.uuid4().hex
+        store.queue_push(_REQUESTS, f"ask:{me}")
+        generation = int(store.get(f"distlab/generation_answer/{me}"))  # blocks until rank 0 answers
+        store.delete_key(f"distlab/generation_answer/{me}")
+        store.queue_push(_REQUESTS, f"joined:{generation}")
+        return generation
+    generation = store.add("distlab/generation", 1)
+    joined = 0
+    while joined < world_size - 1:
+        kind, _, value = store.queue_pop(_REQUESTS).decode().partition(":")
+        if kind == "ask":
+            store.set(f"distlab/generation_answer/{value}", str(generation))
+        elif value == str(generation):  # a confirmation from the previous start is stale
+            joined += 1
+    return generation
 
 
 def shutdown() -> None:

@@ -249,22 +249,19 @@ def test_a_killed_node_restarts_the_elastic_job_which_resumes_from_the_shared_ch
             try:
                 results[node] = (cluster.wait(node, timeout=150), cluster.logs(node))
             except subprocess.TimeoutExpired:
-                log = cluster.logs(node)
-                if "[attempt 1]" not in cluster.logs("node0") and "closing signal SIGTERM" in cluster.logs("node0"):
-                    # Seen in about 1 run of 6: one agent saw its worker fail (restart count 1), the other only
-                    # saw the membership change and restarted its workers without counting (torch's agent,
-                    # api.py: num_nodes_waiting > 0). init_from_env prefixes the store with the restart count,
-                    # so the new ranks wait in distlab/attempt_0 and distlab/attempt_1: they never meet.
-                    pytest.xfail("the restarted workers hang: the agents' TORCHELASTIC_RESTART_COUNT differ (a "
-                                 "membership-change restart is not counted), and distlab.launch.init_from_env "
-                                 "prefixes the store with it")
-                pytest.fail(f"{node} still runs 150 s after node2 was killed:\n{log[-3000:]}")
+                # (Seen in about 1 run of 6 while init_from_env prefixed the store with the restart count: an
+                # agent that only saw the membership change restarts without counting, so the new ranks
+                # waited under different prefixes. They now agree on one through the store.)
+                pytest.fail(f"{node} still runs 150 s after node2 was killed:\n{cluster.logs(node)[-3000:]}")
     finally:
         cluster.down()
     for node, (code, log) in results.items():
         assert code == 0, f"{node} exited {code} after node2 was killed:\n{log[-3000:]}"
-    log = results["node0"][1]
-    resumed = re.search(r"\[attempt 1\] resumed from \S+step_(\d+) \(step \d+, saved by 3 ranks, now 2\)", log)
+    # Rank 0 prints, on whichever node it landed, with its own agent's restart count: 1 where that agent saw
+    # its worker fail, 0 where it only saw the membership change (torch does not count that restart).
+    log = results["node0"][1] + results["node1"][1]
+    resumed = re.search(r"\[attempt [01]\] resumed from \S+step_(\d+) \(step \d+, saved by 3 ranks, now 2\)", log)
     assert resumed and int(resumed.group(1)) >= 50, f"the restarted job did not resume with 2 ranks:\n{log[-3000:]}"
-    assert re.search(r"^1\s+2\s+600\s", log, flags=re.M), f"attempt 1 did not finish 600 steps on 2 ranks:\n{log[-3000:]}"
+    assert re.search(r"^[01]\s+2\s+600\s", log, flags=re.M), f"the restart did not finish 600 steps on 2 ranks:\n" \
+                                                             f"{log[-3000:]}"
     assert cluster.leftovers() == [], "docker-compose down -v left these behind"
