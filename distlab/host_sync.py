@@ -183,13 +183,15 @@ class HostSyncMeter(TorchDispatchMode):
             if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
                 return "boolean mask index"
             return None
+        non_blocking = kwargs.get("non_blocking", False)
         if func is aten._to_copy.default:
             src, dst = args[0].device, kwargs.get("device")
-        elif func is aten.copy_.default:
+        elif func is aten.copy_.default:  # copy_(self, src, non_blocking): it may come positionally
             src, dst = args[1].device, args[0].device
+            non_blocking = non_blocking or (len(args) > 2 and bool(args[2]))
         else:
             return None
-        if dst is None or src == torch.device(dst) or kwargs.get("non_blocking", False):
+        if dst is None or src == torch.device(dst) or non_blocking:
             return None
         if torch.device(dst).type == "cpu":
             return "to host" if src.type != "meta" else None

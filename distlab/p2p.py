@@ -45,8 +45,9 @@ mistake gloo lets through silently, strict mode or not: a message shorter than i
 (rank 0 sends 4 floats, rank 1 receives into 8 and keeps 4 stale values), or of another dtype.
 Each send carries a 16-byte header (its bytes and dtype) as a second message in the same launch;
 the receive compares it with its buffer when it completes and raises ``P2PSizeError``. Cost: one
-tiny extra message per message (``benchmarks/bench_p2p_check.py`` measures it), and on CUDA a
-device-to-host copy of the header per receive. Every rank must agree on the setting (the header is
+tiny extra message per message (``benchmarks/bench_p2p_check.py`` measures it). On CUDA no host sync:
+the header is copied to the host without blocking and checked at a later receive, once it has landed,
+or at ``flush_size_checks()`` (one sync for all). Every rank must agree on the setting (the header is
 part of the wire format). Under strict mode the strict checks (b) already cover it, so no header.
 See phase1_data_parallel/guidelines.md#point-to-point-on-nccl.
 """
@@ -729,7 +730,13 @@ class _SizedRecvWork:
             raise P2PSizeError(
                 f"{_who(self._pg)}: receive #{self._k} from {_peer(self._pg, self._src)} came without its size "
                 f"header: every rank must run with the same {SIZE_CHECK_ENV} (unset, or 0 on all ranks)") from exc
-        sent_bytes, code = self._header.tolist()  # on CUDA: waits for the header (16 bytes)
+        _poll_deferred(block=False)  # earlier receives' headers that have landed
+        if self._header.device.type != "cpu" or _defer_on_cpu:
+            _defer(self)  # no host sync: the verdict is read at a later receive or flush_size_checks()
+        else:
+            self._verify(*self._header.tolist())  # the header is host memory: nothing to wait for
+
+    def _verify(self, sent_bytes: int, code: int) -> None:
         expected = _describe(self._tensors)
         if [sent_bytes, code] != expected:
             sent_dtype, dtype = _DTYPE_NAMES.get(code, f"dtype #{code}"), _DTYPE_NAMES[expected[1]]
@@ -746,6 +753,70 @@ class _SizedRecvWork:
 
     def __getattr__(self, name):
         return getattr(self._work, name)
+
+
+# --------------------------------------------------------------------------- deferred verdicts (CUDA)
+# On a GPU, reading a received header is a device-to-host sync per message: the CPU would wait for
+# the GPU after every receive. Instead the header is copied into pinned host memory without blocking,
+# behind a CUDA event; each later receive polls the events (``Event.query``: no wait) and checks the
+# headers that have landed; ``flush_size_checks()`` waits once for the rest. A wrong size is still
+# reported with the same message, a few receives later. ``defer_size_checks_on_cpu()`` plays this path
+# with CPU tensors, so a CPU test can count its host syncs (distlab.host_sync).
+_deferred: list[tuple[_SizedRecvWork, torch.Tensor, object]] = []
+_defer_on_cpu = False
+_MAX_DEFERRED = 1024  # headers waiting: beyond this, wait for the oldest (a bound on pinned memory)
+
+
+class _Landed:
+    """The event of a CPU header: already there."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _defer(work: _SizedRecvWork) -> None:
+    header = work._header
+    if header.device.type == "cpu":
+        _deferred.append((work, header, _Landed()))
+        return
+    host = torch.empty(header.shape, dtype=header.dtype, pin_memory=True)
+    host.copy_(header, non_blocking=True)  # ordered after the receive: its work was waited for (stream)
+    event = torch.cuda.Event()
+    event.record()
+    _deferred.append((work, host, event))
+    if len(_deferred) > _MAX_DEFERRED:
+        _deferred[0][2].synchronize()
+
+
+def _poll_deferred(block: bool) -> None:
+    """Check every deferred header that has landed (``block``: wait for all of them first)."""
+    if block and _deferred:
+        _deferred[-1][2].synchronize()  # one wait: the events complete in stream order
+    while _deferred and (block or _deferred[0][2].query()):
+        work, host, _ = _deferred.pop(0)
+        work._verify(*(int(v) for v in host.numpy()))  # host memory: .numpy() reads it without a sync
+
+
+def flush_size_checks() -> None:
+    """Check the size headers still in flight (CUDA: one host sync for all); raises ``P2PSizeError``.
+
+    Call it where a step already waits for the GPU (after the optimizer step, at a checkpoint)."""
+    _poll_deferred(block=True)
+
+
+@contextlib.contextmanager
+def defer_size_checks_on_cpu():
+    """Take the CUDA path (deferred verdicts) with CPU tensors too: for tests that meter host syncs."""
+    global _defer_on_cpu
+    previous, _defer_on_cpu = _defer_on_cpu, True
+    try:
+        yield
+    finally:
+        flush_size_checks()
+        _defer_on_cpu = previous
 
 
 class _AnySourceWork(_SizedRecvWork):

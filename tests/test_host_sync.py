@@ -16,8 +16,12 @@ Budgets per steady-state step (world size 2):
 | ring attention, forward and backward | 0 | the visible rows/columns come from host positions |
 | loss scaler (``unscale_``/``step``/``update``) | 1 | the found-inf verdict; ``torch.amp.GradScaler`` pays the same one |
 
-The p2p size check (distlab/p2p.py, on by default) reads each received message's size header,
-one sync per receive on CUDA: the pipeline and ring workers turn it off to meter the lesson's code.
+The p2p size check (distlab/p2p.py, on by default) sends a size header with every message. On
+CUDA its verdict is deferred (the header copied to the host without blocking, read once it has
+landed): 0 syncs per receive. The CPU tests play that path with ``p2p.defer_size_checks_on_cpu()``
+(CPU headers would be read at once, one ``tolist`` per receive, counted as a sync): the pipeline
+and ring workers run with the check on that way, and a test counts 0 per receive against 1 on
+the immediate path.
 """
 from __future__ import annotations
 
@@ -185,7 +189,13 @@ def test_data_parallel_and_zero_steps_never_sync_like_torch():
 # --------------------------------------------------------------------------- pipeline
 def _worker_pipeline(rank, world_size):
     pp = load("phase2_advanced", "pipeline")
-    p2p.disable_size_check()  # its header read is a sync per receive (see the module docstring)
+    p2p.disable_strict()  # as outside pytest: the size check's headers on every message, CUDA's deferred path
+    assert p2p.enable_size_check()
+    with p2p.defer_size_checks_on_cpu():
+        return _pipeline_steps(rank, world_size, pp)
+
+
+def _pipeline_steps(rank, world_size, pp):
     m, hidden = 4, 8
     x = torch.randn(m * 2, 6, generator=torch.Generator().manual_seed(0))
     y = torch.randint(3, (m * 2,), generator=torch.Generator().manual_seed(1))
@@ -211,7 +221,13 @@ def test_pipeline_step_syncs_only_for_the_loss_it_returns():
 # --------------------------------------------------------------------------- ring attention
 def _worker_ring(rank, world_size):
     ring = load("phase5_large_models", "ring_attention")
-    p2p.disable_size_check()
+    p2p.disable_strict()
+    assert p2p.enable_size_check()
+    with p2p.defer_size_checks_on_cpu():  # the size check on, as on CUDA
+        return _ring_steps(rank, world_size, ring)
+
+
+def _ring_steps(rank, world_size, ring):
     layout = ring.sequence_layout(12, world_size, "zigzag")
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(1, 2, 12, 4, generator=g)[:, :, layout[rank]] for _ in range(4))
@@ -253,3 +269,30 @@ def test_loss_scaler_syncs_once_per_step_like_grad_scaler():
     assert torch_per_step == [1, 1], f"GradScaler's found-inf read: {torch_per_step} syncs per step; " \
                                      f"{results[0]['torch GradScaler']['report']}"
     _check([{"DynamicLossScaler": r["DynamicLossScaler"]} for r in results], lambda name, rank: 1)
+
+
+# --------------------------------------------------------------------------- the p2p size check
+def _worker_size_check(rank, world_size):
+    p2p.disable_strict()  # as outside pytest: every message carries its size header
+    assert p2p.enable_size_check()
+    receives = 3
+
+    def exchanges():
+        for _ in range(receives):
+            p2p.exchange(torch.full((5,), float(rank)), torch.empty(5), 1 - rank)
+
+    out = {"immediate": _metered(exchanges)}  # CPU headers: read at once, as CUDA ones were
+    with p2p.defer_size_checks_on_cpu():
+        out["deferred"] = _metered(exchanges)
+        pending = len(p2p._deferred)
+    assert pending >= 1, f"rank {rank}: no verdict left to read after the step: were the headers read at once?"
+    return {**out, "receives": receives}
+
+
+def test_p2p_size_check_costs_no_host_sync_per_receive_on_the_cuda_path():
+    for rank, got in enumerate(run_distributed(_worker_size_check, 2, backend="gloo")):
+        # the baseline: the meter sees the immediate path's one header read per receive
+        assert got["immediate"]["syncs"] == got["receives"] * got["immediate"]["steps"], \
+            f"rank {rank}: immediate size check: {got['immediate']['report']}"
+        assert got["deferred"]["syncs"] == 0, \
+            f"rank {rank}: deferred size check: {got['deferred']['syncs']} host syncs:\n{got['deferred']['report']}"

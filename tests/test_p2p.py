@@ -103,6 +103,10 @@ def _worker_size_mismatch(rank, world_size, case):
         p2p.send(torch.ones(4), 1) if rank == 0 else p2p.recv(torch.empty(4, dtype=torch.int32), 0)
     elif case == "batched":  # a ring step whose chunks disagree (the uneven last chunk): grouped both ways
         p2p.exchange(torch.ones(3 if rank == 0 else 5), torch.empty(5), 1 - rank)
+    elif case == "deferred":  # the CUDA path (no host sync per receive): caught at the flush, same message
+        with p2p.defer_size_checks_on_cpu():
+            dist.send(torch.ones(4), dst=1) if rank == 0 else dist.recv(stale, src=0)
+            assert p2p._deferred or rank == 0, "the verdict was read at the receive: a host sync on CUDA"
     return on, stale.tolist()
 
 
@@ -111,6 +115,8 @@ SIZE_MISMATCHES = {
              r"the last 16 bytes of the buffer keep old values",
     "dtype": r"rank 1: receive #0 from rank 0 got 16 bytes of float32 into a buffer of 16 bytes of int32 \(4,\)\.",
     "batched": r"rank 1: receive #0 from rank 0 got 12 bytes of float32 into a buffer of 20 bytes",
+    "deferred": r"rank 1: receive #0 from rank 0 got 16 bytes of float32 into a buffer of 32 bytes of float32 \(8,\): "
+                r"the last 16 bytes of the buffer keep old values",
 }
 
 
