@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distlab.launch import die_with_parent
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "sinfo", "scontrol", "scancel", "srun")
 MARKER = "DISTLAB_SLURM_ROOT"  # in every daemon's environment and each job's: how leftovers are found
@@ -183,8 +185,10 @@ def start(root: Path, nodes: int = 2, cpus: int = 2, timeout_s: float = 30) -> S
     def daemon(name: str, *args: str) -> None:
         log = open(root / "log" / f"{name}.out", "wb")
         with log:
+            # SIGTERM when pytest dies (even by SIGKILL): no daemon outlives the test run
             slurm.procs[name] = subprocess.Popen(list(args), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                 stdin=subprocess.DEVNULL, start_new_session=True)
+                                                 stdin=subprocess.DEVNULL, start_new_session=True,
+                                                 preexec_fn=lambda: die_with_parent(signal.SIGTERM))
 
     try:
         munge = root / "munge"
