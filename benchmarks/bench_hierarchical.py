@@ -127,37 +127,85 @@ def _equal(got: torch.Tensor, want: torch.Tensor) -> None:
         raise AssertionError(f"max abs diff {diff.max().item():.3g} at element {int(diff.argmax())}")
 
 
-def worker(sizes: list[int], probe_bytes: int, repeats: int) -> dict | None:
-    """One rank of the 2-node job: place-check, measure both links, race the three all-reduces."""
-    from distlab.launch import init_from_env, shutdown
+def _time_pattern(pattern, rounds: int = 5) -> list[float]:
+    """Seconds per round of ``pattern()`` (every rank calls it), slowest rank, starts aligned by a barrier."""
+    times = []
+    for _ in range(rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        pattern()
+        times.append(time.perf_counter() - start)
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.tolist()
+
+
+def _ring_step_breakdown(nbytes: int, ranks_per_node: int) -> dict[str, list[float]]:
+    """What one step of the flat ring costs, piece by piece, with its chunk of n/W bytes.
+
+    ``crossing hop alone``: the last rank of node 0 to the first of node 1, nothing else moving
+    (what the model charges per step); ``both crossing hops``: that and the last rank of the last
+    node to rank 0 at once (opposite directions on the link); ``ring step``: every rank sends
+    right and receives left at once, as ``ring_allreduce`` does 2(W-1) times.
+    """
+    from distlab import p2p
+
+    rank, world_size, g = dist.get_rank(), dist.get_world_size(), ranks_per_node
+    chunk, incoming = torch.ones(nbytes // 4 // world_size), torch.empty(nbytes // 4 // world_size)
+    crossings = [(g - 1, g), (world_size - 1, 0)]
+
+    def hops(pairs):
+        for src, dst in pairs:
+            if rank == src:
+                p2p.send(chunk, dst)
+            elif rank == dst:
+                p2p.recv(incoming, src)
+
+    return {"crossing hop alone": _time_pattern(lambda: hops(crossings[:1])),
+            "both crossing hops": _time_pattern(lambda: hops(crossings)),
+            "ring step": _time_pattern(lambda: p2p.send_recv(chunk, (rank + 1) % world_size,
+                                                              incoming, (rank - 1) % world_size))}
+
+
+def _worker_race(rank: int, world_size: int, ranks_per_node: int, sizes: list[int], probe_bytes: int,
+                 intra_probe_bytes: int, repeats: int) -> dict:
+    """Measure both links, then race the three all-reduces on each size (every rank; ranks in node blocks)."""
     from solutions.phase3_multi_node import allreduce_algorithms as algos
     from solutions.phase3_multi_node import ring_allreduce as ring
 
+    torch.set_num_threads(1)  # the adds are tiny next to the link; leave the cores to gloo's I/O
+    g = ranks_per_node
+    groups = algos.make_node_groups(g)
+    links = {"intra": _measure_link(0, 1, intra_probe_bytes), "inter": _measure_link(g - 1, g, probe_bytes)}
+    out = {"links": links, "by_size": {}, "ring_step": {}}
+    fns = {FLAT_GLOO: dist.all_reduce, FLAT_RING: ring.ring_allreduce,
+           HIER: lambda t: algos.hierarchical_allreduce(t, groups)}
+    for nbytes in sizes:
+        x = torch.randint(-64, 64, (nbytes // 4,), generator=torch.Generator().manual_seed(rank)).float()
+        contenders = []
+        for name, fn in fns.items():
+            buf = torch.empty_like(x)  # each its own, refilled from x before every timed call
+            contenders.append(Contender(name, run=lambda fn=fn, buf=buf: (fn(buf), buf)[1],
+                                        prepare=lambda buf=buf: buf.copy_(x)))
+        out["by_size"][str(nbytes)] = measure(contenders, FLAT_GLOO, repeats=repeats, warmup=1, check=_equal)
+        out["ring_step"][str(nbytes)] = _ring_step_breakdown(nbytes, g)
+    return out
+
+
+def worker(sizes: list[int], probe_bytes: int, repeats: int) -> dict | None:
+    """One rank of the job under torchrun: check that ranks sit in node blocks, then ``_worker_race``."""
+    from distlab.launch import init_from_env, shutdown
+
     env = init_from_env(backend="gloo")
     try:
-        torch.set_num_threads(1)  # the adds are tiny next to the link; leave the cores to gloo's I/O
-        rank, world_size = env.rank, env.world_size
         g = int(os.environ["LOCAL_WORLD_SIZE"])
-        hosts: list = [None] * world_size
+        hosts: list = [None] * env.world_size
         dist.all_gather_object(hosts, socket.gethostname())
-        blocks = [hosts[i:i + g] for i in range(0, world_size, g)]
+        blocks = [hosts[i:i + g] for i in range(0, env.world_size, g)]
         if any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
             raise RuntimeError(f"ranks are not placed in consecutive blocks of {g} per node: {hosts}")
-        groups = algos.make_node_groups(g)
-        links = {"intra": _measure_link(0, 1, INTRA_PROBE_BYTES), "inter": _measure_link(g - 1, g, probe_bytes)}
-        out = {"hosts": hosts, "links": links, "by_size": {}}
-        fns = {FLAT_GLOO: dist.all_reduce, FLAT_RING: ring.ring_allreduce,
-               HIER: lambda t: algos.hierarchical_allreduce(t, groups)}
-        for nbytes in sizes:
-            gen = torch.Generator().manual_seed(rank)
-            x = torch.randint(-64, 64, (nbytes // 4,), generator=gen).float()
-            contenders = []
-            for name, fn in fns.items():
-                buf = torch.empty_like(x)  # each its own, refilled from x before every timed call
-                contenders.append(Contender(name, run=lambda fn=fn, buf=buf: (fn(buf), buf)[1],
-                                            prepare=lambda buf=buf: buf.copy_(x)))
-            out["by_size"][str(nbytes)] = measure(contenders, FLAT_GLOO, repeats=repeats, warmup=1, check=_equal)
-        return out if rank == 0 else None
+        out = _worker_race(env.rank, env.world_size, g, sizes, probe_bytes, INTRA_PROBE_BYTES, repeats)
+        return {"hosts": hosts, **out} if env.rank == 0 else None
     finally:
         shutdown()
 
@@ -266,11 +314,19 @@ def rows(runs: list[dict], sizes: list[int], rate_mbit: float) -> dict[str, dict
         p = spread(predicted)
         model = (f"the alpha-beta model with the links measured in each launch predicts {p['median']:.2f} "
                  f"(launches {' '.join(f'{v:.2f}' for v in predicted)})")
+        steps = {part: statistics.median(v for r in runs for v in r["result"]["ring_step"][str(nbytes)][part])
+                 for part in runs[0]["result"]["ring_step"][str(nbytes)]}
+        step_note = (f"; one ring step ({nbytes / MiB / world_size:g} MiB to the right, all ranks at once) took "
+                     f"{steps['ring step'] * 1e3:.0f} ms, its crossing hop alone {steps['crossing hop alone'] * 1e3:.0f}"
+                     f" ms, both crossing hops at once {steps['both crossing hops'] * 1e3:.0f} ms")
         for flat, what in ((FLAT_RING, "the learner's ring (3.3)"), (FLAT_GLOO, "gloo's all_reduce")):
             row = ratio_row(runs, flat, HIER, world_size=world_size, size=size, key=pick,
                             meaning=f"time of the flat all-reduce ({what}) / hierarchical (3.6), same tensor, "
-                                    f"same launch (above 1: hierarchical faster); {model}")
+                                    f"same launch (above 1: hierarchical faster); {model}"
+                                    + (step_note if flat == FLAT_RING else ""))
             row["predicted"] = p
+            if flat == FLAT_RING:
+                row["ring_step_s"] = steps
             out[f"{flat} / {HIER}, {nbytes / MiB:g} MiB"] = row
         # measured / predicted per repeat, with that launch's prediction: 1 = the model is exact
         per_launch = [[f / h / pred for f, h in zip(pick(r["result"])["times"][FLAT_RING],

@@ -197,3 +197,39 @@ def test_zero_peak_memory_per_rank_is_within_5_percent_of_torchs():
     for stage, (ours, torchs) in bench_zero.STAGES.items():
         row = bench_zero._memory_row(memory, ours, torchs, world_size=2, size="quick")
         assert row["ratio"] <= 1.05, f"ZeRO-{stage}: peak {row['ours']} B is {row['ratio']:.3f}x {torchs}'s"
+
+
+def test_hierarchical_bench_model_matches_the_textbook_cost_table():
+    from benchmarks.bench_hierarchical import Links, predicted_times
+
+    # A free intra-node link and no latency: only bytes across a node boundary count, the ring's
+    # 2(W-1)/W n against the leaders' 2(M-1)/M n (guidelines' cost table), whatever n and beta are.
+    free_intra = Links(alpha_intra=0.0, beta_intra=0.0, alpha_inter=0.0, beta_inter=1e-6)
+    for nodes, per_node, want in [(2, 2, 1.5 / 1.0), (2, 4, 1.75 / 1.0), (4, 2, 1.75 / 1.5)]:
+        t = predicted_times(1 << 20, nodes, per_node, free_intra)
+        assert t["ring"] / t["hierarchical"] == pytest.approx(want), (nodes, per_node, t)
+    # Every term, by hand, for W=4 on 2 nodes and n=1000 B: ring 6 steps of (alpha + 250 B);
+    # hierarchical: reduce + broadcast in the node (1 step each, n each), 2 leader steps of n/2.
+    t = predicted_times(1000, 2, 2, Links(1e-3, 1e-9, 2e-3, 1e-6))
+    assert t["ring"] == pytest.approx(6 * (2e-3 + 250e-6))
+    assert t["hierarchical"] == pytest.approx(2 * 1e-3 + 2 * 1000e-9 + 2 * (2e-3 + 500e-6))
+
+
+def test_hierarchical_bench_race_checks_results_and_refuses_an_unshaped_link():
+    """The benchmark's ranks without containers: 4 ranks on loopback, 'nodes' of 2 (seconds).
+
+    The race itself raises ContenderMismatch where the flat and hierarchical results differ bitwise;
+    here nothing slows the 'inter-node' link, so the check that the tbf rate took must refuse it.
+    """
+    from benchmarks import bench_hierarchical as bench
+
+    size = 64 << 10
+    runs = harness.launch(bench._worker_race, 4, 2, [size], size, size, 1, launches=1, backend="gloo",
+                          timeout_s=120)
+    rows = bench.rows(runs, [size], rate_mbit=40)
+    assert {f"{bench.FLAT_RING} / {bench.HIER}, 0.0625 MiB", f"{bench.FLAT_GLOO} / {bench.HIER}, 0.0625 MiB",
+            "inter-node bandwidth / tbf rate"} <= set(rows), sorted(rows)
+    ring_row = rows[f"{bench.FLAT_RING} / {bench.HIER}, 0.0625 MiB"]
+    assert "predicts" in ring_row["meaning"] and ring_row["predicted"]["n"] == 1 and ring_row["ring_step_s"]
+    with pytest.raises(RuntimeError, match="not about the 40 set with tc tbf"):
+        bench._check_shaping(runs, rate_mbit=40)
