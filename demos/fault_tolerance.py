@@ -11,10 +11,10 @@ The pieces, each taught in its own module, wired into one training loop:
   save names a hung rank in seconds instead of waiting 30 minutes.
 
 Under ``torchrun --max-restarts=N`` a failed worker makes the agent stop the others
-and start a fresh set; ``distlab.launch.init_from_env`` prefixes the store with the
-restart count (``TORCHELASTIC_RESTART_COUNT``) so the new ranks never read the
-addresses the previous attempt left in the reused store (without it, restarts on gloo
-hang or fail most of the time). The restarted ranks find the last checkpoint and carry on.
+and start a fresh set; ``distlab.launch.init_from_env`` prefixes the store with a
+generation the new ranks agree on through it, so they never read the addresses the
+previous attempt left in the reused store (without it, restarts on gloo hang or fail
+most of the time). The restarted ranks find the last checkpoint and carry on.
 
 This module is the harness, and the demo of RUN_MODE=fault_tolerance: it has no TODOs.
 It loads ``checkpoint`` and ``elastic`` through ``distlab.loader.load``, so under
