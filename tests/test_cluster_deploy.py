@@ -200,6 +200,8 @@ def test_slurm_starts_one_rank_per_gpu_of_a_typed_request(tmp_path, gpus, nproc)
 def test_slurm_refuses_what_it_cannot_run_in_one_line(tmp_path):
     out, _ = _sbatch(tmp_path, "a100")
     assert out.returncode == 2 and "cannot read a GPU count from --gpus-per-node=a100" in out.stderr, out.stderr
+    out, _ = _sbatch(tmp_path, "")  # no --gpus-per-node at all
+    assert out.returncode == 2 and "or for CPU nodes with --gpus-per-node=0" in out.stderr, out.stderr
     (tmp_path / "bare").mkdir()
     out, _ = _sbatch(tmp_path / "bare", "8", venv=False)
     assert out.returncode == 2 and "no Python with torch here" in out.stderr, out.stderr
