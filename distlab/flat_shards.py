@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from distlab.comm import all_gather_single
+
 
 @dataclass(eq=False)
 class Unit:
@@ -257,3 +259,111 @@ def load_named_shard_state_dict(fsdp: nn.Module, state: dict, strict: bool = Tru
     if strict and (missing or unexpected):
         raise RuntimeError(f"FSDP load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
     return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+# ---------------------------------------------------------------------- optimizer state by parameter name
+# A torch optimizer on fsdp.parameters() keys its state by the flat shards' indices. As torch's
+# get_optimizer_state_dict / set_optimizer_state_dict do for FSDP2, these key it by the single-process
+# names: full (every moment whole, a collective) or sharded (my part of each, [lo, hi) as in state_dict(),
+# with rank, world size and layout under "fsdp", checked on load). Both load into another FSDP's optimizer.
+
+def _named_params(fsdp: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[tuple[Any, list[str]]]]:
+    """Per param group, per parameter: (its Unit or None, the names it stands for)."""
+    units = {u.shard: u for u in fsdp.units}
+    names = {p: n for n, p in reversed(list(fsdp.module.named_parameters(remove_duplicate=False)))}
+    return [[(units[p], units[p].names) if p in units else (None, [names[p]]) for p in g["params"]]
+            for g in optimizer.param_groups]
+
+
+def _in_model_order(fsdp: nn.Module, names: Iterable[str]) -> list[str]:  # a unit packs in backward order
+    where = {n: i for i, n in enumerate(fsdp._state_names)}
+    return sorted(names, key=lambda n: where.get(n, len(where)))
+
+
+def _is_moment(v: Any, unit) -> bool:  # per element (exp_avg, momentum_buffer), not per tensor (step)
+    return unit is not None and torch.is_tensor(v) and v.shape == unit.shard.shape
+
+
+@torch.no_grad()
+def optimizer_state_dict(fsdp: nn.Module, optimizer: torch.optim.Optimizer, full: bool = False) -> dict[str, Any]:
+    """``optimizer``'s state by parameter name: ``{"state": {name: {key: tensor}}, "param_groups": [...,
+    "params": [names]]}``; ``full``: whole tensors (collective, Psi (W-1)/W bytes per moment per rank),
+    else my [lo, hi) part of each (1-D) and ``"fsdp"``: rank, world size, layout.
+    Equivalent to: torch's ``get_optimizer_state_dict(model, optimizer, options=StateDictOptions(
+    full_state_dict=full))`` on FSDP2 (sharded: 1-D pieces where torch has DTensor shards)."""
+    inner, pieces, index = optimizer.state_dict(), _pieces(fsdp), 0
+    state, groups = {}, []
+    for group, params in zip(inner["param_groups"], _named_params(fsdp, optimizer)):
+        names = []
+        for unit, unit_names in params:
+            saved, index = inner["state"].get(index, {}), index + 1  # torch numbers parameters across groups
+            names += unit_names
+            flat = {}
+            for key, v in saved.items():
+                if _is_moment(v, unit) and full:  # every rank's chunk, then cut by parameter
+                    flat[key] = torch.empty(unit.full.numel(), dtype=v.dtype, device=v.device)
+                    all_gather_single(flat[key], v, group=fsdp.group)
+            for j, name in enumerate(unit_names):
+                entry = {}
+                for key, v in saved.items():
+                    if not _is_moment(v, unit):
+                        entry[key] = v.clone() if torch.is_tensor(v) else v
+                    elif full:
+                        start, shape = unit.offsets[j], tuple(unit.params[j].shape)
+                        entry[key] = flat[key][start:start + unit.params[j].numel()].view(shape).clone()
+                    else:
+                        _, at, lo, hi, _ = pieces[name]
+                        entry[key] = v[at:at + hi - lo].clone()
+                state[name] = entry
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": _in_model_order(fsdp, names)})
+    out = {"state": {n: state[n] for n in _in_model_order(fsdp, state)}, "param_groups": groups}
+    if not full:
+        out["fsdp"] = {"rank": fsdp.rank, "world_size": fsdp.world_size,
+                       "pieces": {n: (lo, hi, shape) for n, (_, _, lo, hi, shape) in pieces.items()}}
+    return out
+
+
+@torch.no_grad()
+def load_optimizer_state_dict(fsdp: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Load ``optimizer_state_dict``'s output (full: from any world size, no communication; sharded: this
+    rank's at this world size and layout, else a ValueError saying what differs) into ``optimizer``.
+    Equivalent to: torch's ``set_optimizer_state_dict``."""
+    pieces, meta = _pieces(fsdp), state_dict.get("fsdp")
+    if meta is not None:
+        fix = "load the one this rank saved, or a full one (optimizer_state_dict(fsdp, optimizer, full=True))"
+        if (meta["rank"], meta["world_size"]) != (fsdp.rank, fsdp.world_size):
+            raise ValueError(f"FSDP optimizer state of rank {meta['rank']} of {meta['world_size']} cannot load into "
+                             f"rank {fsdp.rank} of {fsdp.world_size}: {fix}")
+        for name, (_, _, lo, hi, shape) in pieces.items():
+            if name in meta["pieces"] and tuple(meta["pieces"][name]) != (lo, hi, shape):
+                raise ValueError(f"FSDP optimizer state: {name} was saved as elements {tuple(meta['pieces'][name][:2])}"
+                                 f" of {meta['pieces'][name][2]}; this rank holds [{lo}, {hi}) of {shape}: {fix}")
+    inner_state, groups, index = {}, [], 0
+    for saved_group, params in zip(state_dict["param_groups"], _named_params(fsdp, optimizer)):
+        names = _in_model_order(fsdp, [n for _, unit_names in params for n in unit_names])
+        if _in_model_order(fsdp, saved_group["params"]) != names:
+            raise ValueError(f"optimizer state: a param group saved with {list(saved_group['params'])} cannot load "
+                             f"into one with {names}: build the optimizer's groups as when it was saved")
+        for unit, unit_names in params:
+            saved = [state_dict["state"].get(n) for n in unit_names]
+            if saved[0] is not None:
+                entry = {}
+                for key, v in saved[0].items():
+                    if unit is None or not torch.is_tensor(v) or v.dim() == 0:  # a whole parameter's; a step count
+                        entry[key] = v.clone() if torch.is_tensor(v) else v
+                        continue
+                    chunk = torch.zeros_like(unit.shard)  # the padding's moments are zero
+                    for name, s in zip(unit_names, saved):
+                        _, at, lo, hi, shape = pieces[name]
+                        t = s[key].reshape(-1)
+                        part = t[lo:hi] if meta is None else t
+                        if part.numel() != hi - lo:
+                            raise ValueError(f"optimizer state {name}.{key} has {t.numel()} elements; this rank "
+                                             f"holds [{lo}, {hi}) of {shape}: a sharded state loads at its own rank")
+                        chunk[at:at + hi - lo].copy_(part)
+                    entry[key] = chunk
+                inner_state[index] = entry
+            index += 1
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"},
+                       "params": list(range(index - len(params), index))})
+    optimizer.load_state_dict({"state": inner_state, "param_groups": groups})

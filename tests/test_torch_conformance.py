@@ -362,6 +362,58 @@ def test_fsdp_state_dict_has_torch_names_refuses_foreign_shards_and_rank0_full(t
     run_distributed(_worker_fsdp_state, WORLD_SIZE, str(tmp_path))
 
 
+def _worker_fsdp_optimizer_state(rank: int, world_size: int) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from distlab.flat_shards import load_optimizer_state_dict, optimizer_state_dict
+
+    def step(model, optimizer, k: int) -> None:
+        x, y = _batch(k)
+        F.cross_entropy(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    (fsdp2, fsdp2_opt, _), (course, opt, _) = _build("torch_fsdp2", 0), _build("course_fsdp", 0)
+    for k in range(2):
+        step(fsdp2, fsdp2_opt, k)
+        step(course, opt, k)
+    # Full: torch's names, shapes and values (bitwise: the same numbers as FSDP2, see the FSDP test above).
+    expected = get_optimizer_state_dict(fsdp2, fsdp2_opt, options=StateDictOptions(full_state_dict=True))
+    full = optimizer_state_dict(course, opt, full=True)
+    assert list(full["state"]) == list(expected["state"]), f"rank {rank}: names {list(full['state'])}"
+    assert [g["params"] for g in full["param_groups"]] == [g["params"] for g in expected["param_groups"]]
+    for name, entry in expected["state"].items():
+        for key, v in entry.items():
+            assert torch.equal(full["state"][name][key], v), f"rank {rank}: full optimizer state {name}.{key} differs"
+    # Sharded: the same names as torch's (whose values are DTensor shards; ours my [lo, hi) part of each).
+    sharded = optimizer_state_dict(course, opt)
+    assert list(sharded["state"]) == list(get_optimizer_state_dict(fsdp2, fsdp2_opt)["state"]), f"rank {rank}"
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, sharded)
+    # Each loads into a fresh wrapper and optimizer (another initialisation, another lr): torch's full state,
+    # and ours sharded; one more step then matches the uninterrupted run bitwise.
+    restored = []
+    for saved in (expected, everyone[rank]):
+        model, optimizer, _ = _build("course_fsdp", 10)
+        for g in optimizer.param_groups:
+            g["lr"] = 0.5
+        model.load_state_dict(course.state_dict())
+        load_optimizer_state_dict(model, optimizer, saved)
+        restored.append((model, optimizer))
+    with pytest.raises(ValueError, match=rf"rank {1 - rank} of 2 cannot load into rank {rank} of 2: .*full=True"):
+        load_optimizer_state_dict(*restored[1], everyone[1 - rank])
+    step(course, opt, 2)
+    for what, (model, optimizer) in zip(("torch's full state", "our sharded state"), restored):
+        step(model, optimizer, 2)
+        for u, v in zip(course.units, model.units):
+            assert torch.equal(u.shard, v.shard), f"rank {rank}: after loading {what}, unit {u.names[0]} differs"
+
+
+@pytest.mark.exercise("3.19 ZeRO-3 state dicts")
+def test_fsdp_optimizer_state_dict_has_torch_names_full_and_sharded_like_fsdp2():
+    run_distributed(_worker_fsdp_optimizer_state, WORLD_SIZE)
+
+
 # --------------------------------------------------------------------------- phase 4's FlatShardedAdam
 def _groups(model: nn.Module) -> list[dict]:
     return [{"params": model.fc1.parameters(), "lr": 0.1, "betas": (0.8, 0.99)},  # per-group hyperparameters
