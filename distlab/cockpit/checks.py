@@ -27,6 +27,7 @@ TIMEOUT_S = 600.0  # a whole exercise; a hung test is ended sooner by pytest-tim
 # distlab.launch.TIE_ENV: pytest (and every rank it starts) dies with this process. Spelled out,
 # not imported: distlab.launch imports torch, ~2 s that `check` would add before pytest even starts.
 TIE_ENV = "DISTLAB_TIE_TO_PID"
+WARM_ENV = "DISTLAB_CHECK_WARM"  # "0": no early forkserver (benchmarks/bench_check.py measures both)
 
 
 def pytest_command(ex: Exercise, root: Path, results: Path, repo: Path = REPO) -> list[str]:
@@ -35,8 +36,10 @@ def pytest_command(ex: Exercise, root: Path, results: Path, repo: Path = REPO) -
         raise ValueError(f"no test in {repo / 'tests'} is marked @pytest.mark.exercise({ex.name!r}): "
                          "the exercise's name in grading/weights.toml and in its tests must match")
     cmd = [sys.executable, "-m", "pytest", *map(str, files), "-q", "-p", "no:cacheprovider",
-           "-p", "distlab.bugs", "-p", "distlab.cockpit.warm", "--impl=templates",
+           "-p", "distlab.bugs", "--impl=templates",
            f"--results-json={results}", f"--rootdir={repo}", "-c", str(repo / "pyproject.toml")]
+    if os.environ.get(WARM_ENV, "1") != "0":
+        cmd += ["-p", "distlab.cockpit.warm"]
     if root.resolve() != repo.resolve():
         cmd.append(f"--student-dir={root.resolve()}")  # '=': see distlab/pytest_plugin.py
     return cmd

@@ -1,0 +1,92 @@
+"""How long ``python -m distlab check`` takes to give its verdict on a phase-1 exercise.
+
+The learner's inner loop: edit, check, read the verdict. Each phase-1 exercise is checked as
+the learner runs it (``python -m distlab check ID --root COPY``, a new process each time) on a
+scratch copy in two states: untouched (every test stops at the TODO: the usual verdict while
+working) and finished (every test runs to the end: the slowest verdict). Then, on the slowest
+exercise, the same check without the early forkserver (``DISTLAB_CHECK_WARM=0``), to show what
+the ``distlab.cockpit.warm`` plugin saves. Runs are interleaved (exercise by exercise, each
+state and variant in turn) so that a change in the machine's load hits them alike; the
+1-minute load average is recorded around each run, since the machine may be shared.
+
+    python -m benchmarks.bench_check [--runs 5] [--quick]
+
+writes benchmarks/results/check_latency.json (median, min and max seconds per case).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import write_result
+from distlab.bugs import student_copy
+from distlab.cockpit import course
+from distlab.cockpit.checks import WARM_ENV
+
+REPO = Path(__file__).resolve().parent.parent
+TARGET_S = 10.0  # the promise: a phase-1 verdict in under 10 s on 2 cores
+
+
+def timed_check(key: str, root: Path, warm: bool = True) -> tuple[float, int, tuple[float, float]]:
+    env = dict(os.environ, **{WARM_ENV: "1" if warm else "0"})
+    before = os.getloadavg()[0]
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "distlab", "check", key, "--root", str(root)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    seconds = time.perf_counter() - start
+    return seconds, proc.returncode, (before, os.getloadavg()[0])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="2 runs, finished state only")
+    args = parser.parse_args(argv)
+    runs = 2 if args.quick else args.runs
+    exercises = [ex for ex in course.exercises() if ex.phase == 1]
+    ids = {i for ex in exercises for i in ex.ids}
+    cases: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="distlab-bench-check-") as tmp:
+        roots = {"finished": student_copy(Path(tmp) / "finished", ids)}
+        if not args.quick:
+            roots["untouched"] = student_copy(Path(tmp) / "untouched", set())
+        slowest = exercises[-1]  # 1.6-1.8: 24 tests, the most worlds
+        plan = [(ex, state, True) for ex in exercises for state in roots]
+        plan += [(slowest, "finished", False)]
+        for run in range(runs):
+            for ex, state, warm in plan:
+                name = f"{ex.key} {state}" + ("" if warm else " (no early forkserver)")
+                seconds, rc, load = timed_check(ex.key, roots[state], warm)
+                expected = 0 if state == "finished" else 1
+                if rc != expected:
+                    raise RuntimeError(f"check {ex.key} on the {state} copy exited {rc}, expected {expected}")
+                case = cases.setdefault(name, {"exercise": ex.name, "state": state, "warm": warm, "seconds": [],
+                                               "load_1min": []})
+                case["seconds"].append(round(seconds, 2))
+                case["load_1min"].append([round(x, 2) for x in load])
+                print(f"run {run + 1}/{runs}  {name:<42} {seconds:6.2f} s   load {load[0]:.1f} -> {load[1]:.1f}",
+                      flush=True)
+    for case in cases.values():
+        s = case["seconds"]
+        case.update(median_s=statistics.median(s), min_s=min(s), max_s=max(s))
+    loads = [x for c in cases.values() for pair in c["load_1min"] for x in pair]
+    path = write_result("check_latency", {
+        "target_s": TARGET_S, "runs": runs, "cases": cases,
+        "load_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
+        "note": "wall time of `python -m distlab check ID --root COPY` (a new process), per run; "
+                "untouched: every test stops at the TODO; finished: every test runs"})
+    print(f"\n{'case':<44} {'median':>8} {'min':>7} {'max':>7}")
+    for name, c in cases.items():
+        print(f"{name:<44} {c['median_s']:7.2f}s {c['min_s']:6.2f}s {c['max_s']:6.2f}s")
+    print(f"load average (1 min) during the runs: {min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} cores")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
