@@ -82,10 +82,15 @@ def run_check(ex: Exercise, root: Path, trace_dir: Path | None = None, repo: Pat
 
 def verdict_lines(ex: Exercise, result: dict) -> list[str]:
     """One line per test, then the exercise's score (or why it is not the whole exercise's)."""
-    lines = []
+    lines, previous = [], None
     for t in result["tests"]:
         mark = {"passed": "pass", "failed": "FAIL", "skipped": "skip"}.get(t["outcome"], t["outcome"])
-        lines.append(f"  {mark:<4}  {t['test']}" + (f"\n        {t['message']}" if t["message"] else ""))
+        why = t["message"]
+        if why and why == previous:
+            why = "(same)"  # every test stopped at the same TODO: its line once
+        elif why:
+            previous = why
+        lines.append(f"  {mark:<4}  {t['test']}" + (f"   {why}" if why == "(same)" else f"\n        {why}" if why else ""))
     p, n = result["passed"], result["total"]
     if not n:
         lines.append(f"{ex.name}: no test ran; pytest said:\n{result.get('output', '')}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections import OrderedDict
@@ -196,4 +197,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"distlab {args.command}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `python -m distlab status | head`: the reader has all it wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
