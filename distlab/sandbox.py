@@ -26,9 +26,12 @@ REPO = Path(__file__).resolve().parent.parent
 _PROTECTED = tuple(str(REPO / d) + os.sep for d in ("solutions", "tests", "grading"))
 # Events refused whenever learner code is anywhere on the stack (the bench it calls included).
 _ANYWHERE = ("ctypes.", "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-             "os.forkpty", "os.kill", "os.killpg", "os.putenv", "os.unsetenv", "os.chmod", "os.chown", "os.remove",
-             "os.rename", "os.rmdir", "shutil.rmtree", "pty.spawn", "sys.settrace", "sys.setprofile",
+             "os.forkpty", "os.kill", "os.killpg", "os.putenv", "os.unsetenv", "pty.spawn",
              "sys._current_frames", "gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys.addaudithook")
+# Events that change files: refused on the instructor's checkout only (the checkpoint lessons replace,
+# prune and remove their own files, which is the lesson).
+_FILE_CHANGES = ("os.remove", "os.rename", "os.rmdir", "shutil.rmtree", "os.chmod", "os.chown", "os.truncate",
+                 "os.link", "os.symlink", "shutil.copyfile", "shutil.move")
 # Events refused when the learner's own line makes them (dataclasses and torch exec code on its behalf).
 _DIRECT = ("exec", "compile", "sys._getframe", "object.__setattr__", "object.__delattr__", "object.__getattr__",
            "builtins.input", "marshal.loads", "code.__new__", "function.__new__")
@@ -68,6 +71,11 @@ def _refusal(event: str, args: tuple) -> str | None:
         name = str(args[0])
         if name.split(".")[0] in ("solutions", "tests") or name.startswith("test_") or name == "distlab.loader":
             return f"import {name}" if _learner_on_stack(False) else None
+        return None
+    if event in _FILE_CHANGES:
+        paths = [os.path.abspath(os.fsdecode(a)) for a in args if isinstance(a, (str, bytes))]
+        if any(p.startswith(str(REPO) + os.sep) for p in paths):
+            return f"{event} {paths[0]!r}" if _learner_on_stack(False) else None
         return None
     if event.startswith(_ANYWHERE):
         return event if _learner_on_stack(False) else None
