@@ -137,8 +137,11 @@ def check(command: str) -> str | None:
         module, args = rest[i + 1], rest[i + 2:]
         if module in ("pytest", "pip", "doctest"):
             return check(" ".join(shlex.quote(w) for w in [module, *args]))
-        if importlib.util.find_spec(module) is None:
+        spec = importlib.util.find_spec(module)
+        if spec is None:
             return f"module {module} does not exist"
+        if spec.submodule_search_locations is not None:  # a package: `python -m` runs its __main__
+            module += ".__main__"
         return _check_args(module, args)
     if tool == "pytest":
         for word in rest:
