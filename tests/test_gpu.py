@@ -157,6 +157,32 @@ def test_nccl_ddp_and_zero_steps_match_the_single_process(world_size):
     assert run_distributed(_worker_training_steps, world_size, backend=NCCL, timeout_s=180) == [[]] * world_size
 
 
+# --------------------------------------------------------------------------- the main suite's workers on NCCL
+# The DDP and ZeRO tests' own workers (tests/test_phase3_ddp_zero.py), given device "cuda": the same
+# float64 models, baselines and tolerances, at the largest world size the GPUs allow that divides their
+# global batch of 12 rows (8 GPUs: 6).
+LARGEST = max(w for w in (1, 2, 3, 4, 6, 12) if w <= max(GPUS, 1))
+
+
+@pytest.mark.parametrize("impl", ["overlap", "bucketed"])
+def test_nccl_ddp_workers_match_single_process_and_torch_ddp(impl):
+    from test_phase3_ddp_zero import _worker_ddp_kinds
+
+    if GPUS == 0:
+        pytest.skip("needs 1 CUDA device")
+    for kinds, buckets in ((["mlp"], [1, 3]), (["tied_frozen"], [1])):  # the bucket caps are ToyMLP's
+        run_distributed(_worker_ddp_kinds, LARGEST, impl, kinds, buckets, False, "cuda", backend=NCCL, timeout_s=300)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_nccl_zero_workers_match_single_process(stage):
+    from test_phase3_ddp_zero import _worker_zero
+
+    if GPUS == 0:
+        pytest.skip("needs 1 CUDA device")
+    run_distributed(_worker_zero, LARGEST, stage, "cuda", backend=NCCL, timeout_s=300)
+
+
 def _worker_every_mode(rank, world_size, runs):
     import importlib
 

@@ -45,22 +45,24 @@ class Branchy(nn.Module):
         return self.a(x) + self.b(x) if use_b else self.a(x)
 
 
-def _make(kind: str, seed: int) -> nn.Module:
+# ``device``: "cpu" here; tests/test_gpu.py runs the DDP and ZeRO workers with "cuda" on NCCL.
+def _make(kind: str, seed: int, device: str = "cpu") -> nn.Module:
     if kind == "mlp":
-        return seeded(ToyMLP, seed, 6, 10, 3).double()
+        return seeded(ToyMLP, seed, 6, 10, 3).double().to(device)
     if kind == "tied_frozen":
-        return seeded(TiedFrozenModel, seed, 11, 6).double()
+        return seeded(TiedFrozenModel, seed, 11, 6).double().to(device)
     if kind == "tied_frozen_unused":
-        return seeded(TiedFrozenModel, seed, 11, 6, with_unused=True).double()
-    return seeded(Branchy, seed).double()
+        return seeded(TiedFrozenModel, seed, 11, 6, with_unused=True).double().to(device)
+    return seeded(Branchy, seed).double().to(device)
 
 
-def _batch(kind: str, step: int):
-    g = torch.Generator().manual_seed(1000 + step)
+def _batch(kind: str, step: int, device: str = "cpu"):
+    g = torch.Generator().manual_seed(1000 + step)  # drawn on the CPU: the same numbers on any device
     if kind.startswith("tied_frozen"):
         x = torch.randint(11, (GLOBAL_BATCH, 5), generator=g)
-        return x, torch.roll(x, 1, dims=1)
-    return torch.randn(GLOBAL_BATCH, 6, generator=g, dtype=torch.float64), torch.randint(3, (GLOBAL_BATCH,), generator=g)
+        return x.to(device), torch.roll(x, 1, dims=1).to(device)
+    return (torch.randn(GLOBAL_BATCH, 6, generator=g, dtype=torch.float64).to(device),
+            torch.randint(3, (GLOBAL_BATCH,), generator=g).to(device))
 
 
 def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -106,15 +108,15 @@ def _wrap(impl: str, model: nn.Module, bucket_mb: float, find_unused: bool):
                                                    find_unused_parameters=find_unused)
 
 
-def _worker_ddp(rank, world_size, impl, kind, n_buckets_list, find_unused=False):
+def _worker_ddp(rank, world_size, impl, kind, n_buckets_list, find_unused=False, device="cpu"):
     for n_buckets in n_buckets_list:
         bucket_mb = BUCKET_CAPS[n_buckets]
-        baseline = _make(kind, seed=0)
-        builtin = nn.parallel.DistributedDataParallel(_make(kind, seed=0), bucket_cap_mb=max(bucket_mb, 1e-6),
+        baseline = _make(kind, 0, device)
+        builtin = nn.parallel.DistributedDataParallel(_make(kind, 0, device), bucket_cap_mb=max(bucket_mb, 1e-6),
                                                       find_unused_parameters=find_unused)
-        model = _make(kind, seed=rank)  # different on purpose: the wrapper's broadcast must fix it
+        model = _make(kind, rank, device)  # different on purpose: the wrapper's broadcast must fix it
         for m, value in ((baseline, 0.0), (model, float(rank))):  # buffers too (running statistics, ...)
-            m.register_buffer("calibration", torch.full((3,), value, dtype=torch.float64))
+            m.register_buffer("calibration", torch.full((3,), value, dtype=torch.float64, device=device))
         ddp = _wrap(impl, model, bucket_mb, find_unused)
         assert_models_close(model, baseline, rank=rank, step="after construction", rtol=0, atol=0)
         base_opt, opt, builtin_opt = _adamw(baseline), _adamw(model), _adamw(builtin.module)
@@ -126,7 +128,7 @@ def _worker_ddp(rank, world_size, impl, kind, n_buckets_list, find_unused=False)
             first.register_post_accumulate_grad_hook(lambda p: calls_when_first_ready.append(ledger.calls("all_reduce")))
         for step in range(STEPS):
             what = f"rank {rank}, {impl}, {kind}, {n_buckets} bucket(s), step {step}"
-            x, y = _batch(kind, step)
+            x, y = _batch(kind, step, device)
             xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
             _baseline_step(baseline, base_opt, kind, x, y, world_size)
             builtin.zero_grad(set_to_none=True)
@@ -161,9 +163,9 @@ def _worker_ddp(rank, world_size, impl, kind, n_buckets_list, find_unused=False)
         assert_ranks_identical(model, step=STEPS)
 
 
-def _worker_ddp_kinds(rank, world_size, impl, kinds, n_buckets_list, find_unused=False):
+def _worker_ddp_kinds(rank, world_size, impl, kinds, n_buckets_list, find_unused=False, device="cpu"):
     for kind in kinds:  # several cases in one world: starting worlds is the slow part
-        _worker_ddp(rank, world_size, impl, kind, n_buckets_list, find_unused and kind != "tied_frozen")
+        _worker_ddp(rank, world_size, impl, kind, n_buckets_list, find_unused and kind != "tied_frozen", device)
 
 
 @pytest.mark.exercise("3.10-3.11 DDP overlap per parameter")
@@ -265,7 +267,7 @@ def _gathered(fsdp) -> dict[str, torch.Tensor]:
     shards = {u.shard for u in fsdp.units}  # registered parameters now, but no single-process name has them
     state = {n: t for n, t in fsdp.module.state_dict(keep_vars=True).items() if t not in shards}
     for u in fsdp.units:
-        flat = torch.empty(u.full.numel(), dtype=u.shard.dtype)
+        flat = torch.empty(u.full.numel(), dtype=u.shard.dtype, device=u.shard.device)
         all_gather_single(flat, u.shard.detach())
         for p, name, start in zip(u.params, u.names, u.offsets):
             state[name] = flat[start:start + p.numel()].view(p.shape)
@@ -274,9 +276,9 @@ def _gathered(fsdp) -> dict[str, torch.Tensor]:
     return {n: t.detach() for n, t in state.items()}
 
 
-def _perturbed(kind: str, rank: int) -> nn.Module:
+def _perturbed(kind: str, rank: int, device: str = "cpu") -> nn.Module:
     """Rank 0's model, trainable weights shifted on other ranks: construction must broadcast rank 0's."""
-    model = _make(kind, 0)
+    model = _make(kind, 0, device)
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
@@ -306,14 +308,14 @@ def _check_memory(zo, model: nn.Module, stage: int, rank: int, world_size: int, 
     assert max(everyone) <= 1.01 * min(everyone), f"{what}: optimizer state per rank {everyone} not balanced"
 
 
-def _worker_zero(rank, world_size, stage):
+def _worker_zero(rank, world_size, stage, device="cpu"):
     for kind in ("mlp", "tied_frozen"):  # several cases in one world: starting worlds is the slow part
-        _check_zero(rank, world_size, stage, kind)
+        _check_zero(rank, world_size, stage, kind, device)
 
 
-def _check_zero_resume(rank, world_size, stage, kind, zo, model):
+def _check_zero_resume(rank, world_size, stage, kind, zo, model, device="cpu"):
     """ZeRO-1/2: a fresh optimizer loaded from the sharded state takes bitwise the same next step."""
-    restored_model = _perturbed(kind, 7)
+    restored_model = _perturbed(kind, 7, device)
     restored = _zero(stage, restored_model)
     restored_model.load_state_dict(model.state_dict())  # in place: the params stay views of the buckets
     restored.load_sharded_state_dict(zo.sharded_state_dict())
@@ -322,7 +324,7 @@ def _check_zero_resume(rank, world_size, stage, kind, zo, model):
     scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s) for opt in (zo, restored)]
     for sched in scheds:
         sched.step()
-    x, y = _batch(kind, 9)
+    x, y = _batch(kind, 9, device)
     for m, opt in ((model, zo), (restored_model, restored)):
         opt.zero_grad()
         _loss(m(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
@@ -331,23 +333,23 @@ def _check_zero_resume(rank, world_size, stage, kind, zo, model):
     assert_models_close(restored_model, model, rank=rank, step=f"ZeRO-{stage} resumed", rtol=0, atol=0)
 
 
-def _check_zero(rank, world_size, stage, kind):
-    baseline = _make(kind, 0)
+def _check_zero(rank, world_size, stage, kind, device="cpu"):
+    baseline = _make(kind, 0, device)
     base_opt = _adamw(baseline)
-    model = _make(kind, rank) if stage == 3 else _perturbed(kind, rank)  # construction must broadcast rank 0's
+    model = _make(kind, rank, device) if stage == 3 else _perturbed(kind, rank, device)  # construction must broadcast rank 0's
     zo = _zero(stage, model)
     forward = zo if stage == 3 else model
     opt = zo if stage < 3 else _adamw(zo)  # ZeRO-1/2 is an optimizer; ZeRO-3 trains with torch's, on its shards
     builtin = builtin_opt = None
     if stage == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        builtin = nn.parallel.DistributedDataParallel(_make(kind, 0))
+        builtin = nn.parallel.DistributedDataParallel(_make(kind, 0, device))
         builtin_opt = ZeroRedundancyOptimizer([p for p in builtin.parameters() if p.requires_grad],
                                               optimizer_class=torch.optim.AdamW, lr=0.01, weight_decay=0.1)
     elem = 8
     for step in range(STEPS):
         what = f"rank {rank}, ZeRO-{stage}, {kind}, step {step}"
-        x, y = _batch(kind, step)
+        x, y = _batch(kind, step, device)
         xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
         _baseline_step(baseline, base_opt, kind, x, y, world_size)
         opt.zero_grad()
@@ -383,7 +385,7 @@ def _check_zero(rank, world_size, stage, kind):
                 assert abs(ours / ddp - 1.5 * psi_pad / psi) < 1e-12 and psi_pad / psi < 1.05, \
                     f"{what}: ZeRO-3 / DDP bytes {ours / ddp:.4f}, expected 1.5 (x padding {psi_pad / psi:.4f})"
     if stage < 3:
-        _check_zero_resume(rank, world_size, stage, kind, zo, model)
+        _check_zero_resume(rank, world_size, stage, kind, zo, model, device)
 
 
 @pytest.mark.exercise("3.15 ZeRO-1")
