@@ -2,10 +2,12 @@
 
 The default suite runs gloo on CPU tensors; these tests run only when ``-m gpu`` selects
 them (otherwise they skip at once), and skip with "needs N CUDA devices" on a machine
-with fewer GPUs than they need. With one GPU: NCCL at world size 1 (the device map
-"cpu:gloo,cuda:nccl", the course's collectives, ring and data-parallel steps on it), every
-RUN_MODE but the parameter server's on it, and several ranks sharing the GPU on gloo with
-CUDA tensors (all_reduce, all_gather, broadcast: the collectives gloo runs on CUDA).
+with fewer GPUs than they need. NCCL (the device map "cpu:gloo,cuda:nccl") at world size 1
+and at the largest the machine's GPUs allow: the course's collectives and ring; DDP (per
+parameter, bucketed), ZeRO-1/2/3 and FSDP; tensor parallel, GPipe/1F1B, ring and Ulysses
+attention and MoE, each through its main test's own worker with device "cuda" (the same
+baselines and tolerances); every RUN_MODE but the parameter server's on one GPU; and several
+ranks sharing the GPU on gloo with CUDA tensors (the collectives gloo runs on CUDA).
 """
 from __future__ import annotations
 
@@ -181,6 +183,30 @@ def test_nccl_zero_workers_match_single_process(stage):
     if GPUS == 0:
         pytest.skip("needs 1 CUDA device")
     run_distributed(_worker_zero, LARGEST, stage, "cuda", backend=NCCL, timeout_s=300)
+
+
+# Tensor parallel, pipeline, ring and Ulysses attention, MoE: their tests' workers with "cuda", at the
+# largest of their world sizes (1-4) the GPUs allow.
+MODEL_PARALLEL = min(max(GPUS, 1), 4)
+WORKERS = {  # name -> (test module, worker, its arguments after rank and world size)
+    "tensor-parallel TinyGPT": ("test_phase2_model_parallel", "_worker_parallel_gpt", ()),
+    "GPipe": ("test_phase2_model_parallel", "_worker_pipeline", ("gpipe",)),
+    "1F1B": ("test_phase2_model_parallel", "_worker_pipeline", ("1f1b",)),
+    "ring attention": ("test_phase5_context", "_worker_ring", ()),
+    "Ulysses attention": ("test_phase5_context", "_worker_ulysses", ()),
+    "expert-parallel MoE": ("test_phase5_experts", "_worker_moe", ()),
+}
+
+
+@pytest.mark.parametrize("strategy", list(WORKERS))
+def test_nccl_model_parallel_workers_match_single_process(strategy):
+    import importlib
+
+    if GPUS == 0:
+        pytest.skip("needs 1 CUDA device")
+    module, worker, args = WORKERS[strategy]
+    run_distributed(getattr(importlib.import_module(module), worker), MODEL_PARALLEL, *args, "cuda",
+                    backend=NCCL, timeout_s=300)
 
 
 def _worker_every_mode(rank, world_size, runs):

@@ -305,7 +305,7 @@ def test_vocab_parallel_matches_embedding_and_cross_entropy(world_size):
 
 
 # =========================================================================== 2.20 TinyGPT
-def _worker_parallel_gpt(rank, world_size):
+def _worker_parallel_gpt(rank, world_size, device="cpu"):  # tests/test_gpu.py: "cuda" on NCCL
     tp = load(PHASE, "tensor_parallel")
     # 2.20 alone: its building blocks (graded in 2.17-2.19) come from the reference, so an
     # unfinished 2.19 costs 2.19's points only. A rank's module is its own: nothing leaks out.
@@ -313,15 +313,15 @@ def _worker_parallel_gpt(rank, world_size):
     for name in ("VocabParallelEmbedding", "ParallelBlock", "vocab_parallel_cross_entropy"):
         setattr(tp, name, getattr(ref, name))
     W = world_size
-    full = seeded(TinyGPT, 0, GPT_CFG).double()
+    full = seeded(TinyGPT, 0, GPT_CFG).double().to(device)
     model = tp.ParallelGPT(full)
     _compare_sharded(model, full, rank, W, f"rank {rank}, W={W}, after ParallelGPT(full)", grads=False)
     opt_ref = torch.optim.Adam(full.parameters(), lr=1e-2)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for step in range(3):
         g = torch.Generator().manual_seed(100 + step)
-        idx = torch.randint(GPT_CFG.vocab_size, (2, GPT_CFG.block_size), generator=g)
-        targets = torch.randint(GPT_CFG.vocab_size, (2, GPT_CFG.block_size), generator=g)
+        idx = torch.randint(GPT_CFG.vocab_size, (2, GPT_CFG.block_size), generator=g).to(device)
+        targets = torch.randint(GPT_CFG.vocab_size, (2, GPT_CFG.block_size), generator=g).to(device)
         logits_ref, loss_ref = full(idx, targets)
         opt_ref.zero_grad()
         loss_ref.backward()
@@ -357,20 +357,20 @@ def _pipeline_stages(num_stages: int, seed: int = 0) -> list[nn.Sequential]:
     return [s.double() for s in stages]
 
 
-def _worker_pipeline(rank, world_size, schedule):
+def _worker_pipeline(rank, world_size, schedule, device="cpu"):  # tests/test_gpu.py: "cuda" on NCCL
     p2p.enable_strict()  # NCCL's point-to-point rules, checked on gloo (distlab/p2p.py)
     pp = load(PHASE, "pipeline")
     p = world_size
     for m in sorted({p, p + 1, 2 * p}):  # micro-batches >= stages; p + 1 is not a multiple of p
-        reference = _pipeline_stages(p)
+        reference = [s.to(device) for s in _pipeline_stages(p)]
         full = nn.Sequential(*reference)
-        mine = _pipeline_stages(p)[rank]
-        stage = pp.PipelineStage(mine, (MB_SIZE, HIDDEN), dtype=torch.float64)
+        mine = _pipeline_stages(p)[rank].to(device)
+        stage = pp.PipelineStage(mine, (MB_SIZE, HIDDEN), dtype=torch.float64, device=torch.device(device))
         opt_ref = torch.optim.SGD(full.parameters(), lr=0.1, momentum=0.9)
         opt = torch.optim.SGD(mine.parameters(), lr=0.1, momentum=0.9)
         for step in range(2):
-            x = _randn(m * MB_SIZE, IN_FEATURES, seed=200 + step)
-            y = torch.randint(CLASSES, (m * MB_SIZE,), generator=torch.Generator().manual_seed(300 + step))
+            x = _randn(m * MB_SIZE, IN_FEATURES, seed=200 + step).to(device)
+            y = torch.randint(CLASSES, (m * MB_SIZE,), generator=torch.Generator().manual_seed(300 + step)).to(device)
             opt_ref.zero_grad()
             loss_ref = F.cross_entropy(full(x), y)
             loss_ref.backward()

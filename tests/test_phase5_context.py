@@ -155,10 +155,10 @@ def _expected_ring_bytes(layout, rank: int, elem: int) -> tuple[int, int, int]:
     return fwd_sent, 2 * fwd_sent + per_token * seq_len, 2 * fwd_received + per_token * seq_len
 
 
-def _worker_ring(rank, world_size):
+def _worker_ring(rank, world_size, device="cpu"):  # tests/test_gpu.py: "cuda" on NCCL
     ring = load(PHASE, "ring_attention")
     for seq_len in (EVEN_T, UNEVEN_T):
-        whole = _whole(seq_len)
+        whole = [t.to(device) for t in _whole(seq_len)]
         ref = _baseline(*whole)
         work = {}
         for kind in ("contiguous", "zigzag"):
@@ -202,11 +202,11 @@ def test_ring_attention_matches_single_process_sdpa(world_size):
 U_HEADS = 12  # divisible by 1, 2, 3 and 4
 
 
-def _worker_ulysses(rank, world_size):
+def _worker_ulysses(rank, world_size, device="cpu"):  # tests/test_gpu.py: "cuda" on NCCL
     ul = load(PHASE, "ulysses")
     for seq_len in (EVEN_T, UNEVEN_T):
         what = f"rank {rank} of {world_size}, Ulysses, {seq_len} tokens"
-        whole = _whole(seq_len, heads=U_HEADS, batch=1, dim=4)
+        whole = [t.to(device) for t in _whole(seq_len, heads=U_HEADS, batch=1, dim=4)]
         ref = _baseline(*whole)
         pos = torch.arange(seq_len).tensor_split(world_size)[rank]
         seq_lens = [len(p) for p in torch.arange(seq_len).tensor_split(world_size)]

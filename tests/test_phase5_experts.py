@@ -127,7 +127,7 @@ def test_capacity_keep_matches_global_priority_loop():
 
 
 # --------------------------------------------------------------------------- 5.6-5.8 the layer
-def _worker_moe(rank, world_size):
+def _worker_moe(rank, world_size, device="cpu"):  # tests/test_gpu.py: "cuda" on NCCL
     moe = load(PHASE, "moe")
     tokens = TOKENS[:world_size]
     mine = slice(sum(tokens[:rank]), sum(tokens[:rank + 1]))
@@ -136,10 +136,10 @@ def _worker_moe(rank, world_size):
     for cf in CAPACITY_FACTORS:
         what = f"rank {rank} of {world_size}, capacity factor {cf}"
         torch.manual_seed(0)  # every rank: the same router, experts, tokens and upstream gradient
-        router = nn.Linear(D, E, bias=False).double()
-        experts = moe.Experts(E, D, H).double()
-        x_all = torch.randn(sum(tokens), D, dtype=torch.float64)
-        upstream = torch.randn(sum(tokens), D, dtype=torch.float64)
+        router = nn.Linear(D, E, bias=False).double().to(device)
+        experts = moe.Experts(E, D, H).double().to(device)
+        x_all = torch.randn(sum(tokens), D, dtype=torch.float64).to(device)
+        upstream = torch.randn(sum(tokens), D, dtype=torch.float64).to(device)
         # single process, every token
         ref_x = x_all.clone().requires_grad_()
         ref_params = [router.weight.detach().clone().requires_grad_(), experts.w1.detach().clone().requires_grad_(),
