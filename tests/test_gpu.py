@@ -80,26 +80,16 @@ def _worker_training_steps(rank, world_size):
     expected = {k: v.detach() for k, v in reference.state_dict().items()}
     batches = [(x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8]) for x, y in batches]  # my shard
 
-    def ddp_overlap(model):  # the torch way: the wrapper finishes its all-reduces when backward ends
-        wrapped = load("phase3_multi_node", "ddp_overlap").DDPIndividualParameters(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    def the_torch_way(wrap):  # backward, step: the wrappers finish their all-reduces when backward ends
+        def make(model):
+            wrapped, opt = wrap(model), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
-        def step(x, y):
-            opt.zero_grad()
-            F.cross_entropy(wrapped(x), y).backward()
-            opt.step()
-        return step
-
-    def ddp_bucketed(model):
-        wrapped = load("phase3_multi_node", "ddp_bucketed").DDPBucketed(model, bucket_size_mb=0.001)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-        def step(x, y):
-            opt.zero_grad()
-            F.cross_entropy(wrapped(x), y).backward()
-            wrapped.finish_gradient_synchronization()
-            opt.step()
-        return step
+            def step(x, y):
+                opt.zero_grad()
+                F.cross_entropy(wrapped(x), y).backward()
+                opt.step()
+            return step
+        return make
 
     def zero(stage):
         def make(model):
@@ -113,19 +103,11 @@ def _worker_training_steps(rank, world_size):
             return step
         return make
 
-    def torch_ddp(model):
-        wrapped = nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-        def step(x, y):
-            opt.zero_grad()
-            F.cross_entropy(wrapped(x), y).backward()
-            opt.step()
-        return step
-
     failures = []
-    for name, make in {"DDPIndividualParameters": ddp_overlap, "DDPBucketed": ddp_bucketed, "ZeRO-1": zero(1),
-                       "ZeRO-2": zero(2), "torch DDP": torch_ddp}.items():
+    ddp = {"DDPIndividualParameters": lambda m: load("phase3_multi_node", "ddp_overlap").DDPIndividualParameters(m),
+           "DDPBucketed": lambda m: load("phase3_multi_node", "ddp_bucketed").DDPBucketed(m, bucket_size_mb=0.001),
+           "torch DDP": lambda m: nn.parallel.DistributedDataParallel(m, device_ids=[device.index])}
+    for name, make in {**{n: the_torch_way(w) for n, w in ddp.items()}, "ZeRO-1": zero(1), "ZeRO-2": zero(2)}.items():
         model = _mlp(device)
         step = make(model)
         for x, y in batches:
