@@ -106,6 +106,12 @@ def reset(ident: str, root: Path, out: TextIO) -> list[Path]:
         chosen = regions
     else:
         chosen = [r for r in regions if r.id == ident] or [r for r in regions if r.base == ident]
+    if not chosen:
+        if regions:
+            raise ValueError(f"no TODO {ident} in {ex.name}: its TODOs are {', '.join(r.id for r in regions)}")
+        raise ValueError(f"the '# --- TODO' lines of {ex.name} are gone from your templates, so there is no region "
+                         "to reset: `python -m distlab.templates --write --force FILE` regenerates a whole template "
+                         "(your code in it is lost)")
     kept = []
     for r in chosen:
         kept.append(reset_region(r, root))

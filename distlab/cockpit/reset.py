@@ -32,7 +32,12 @@ def reset(region: Region, root: Path, repo: Path = REPO) -> Path:
     s0, s1 = _span(stub_lines, region.id, f"the template generated from {solution.relative_to(repo)}")
     lines = path.read_text().splitlines(keepends=True)
     t0, t1 = _span([l.rstrip("\n") for l in lines], region.id, region.path.as_posix())
-    kept = root / STATE.parent / "reset" / f"{region.path.name}.{region.id}.{time.strftime('%Y%m%d-%H%M%S')}.py"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    kept = root / STATE.parent / "reset" / f"{region.path.name}.{region.id}.{stamp}.py"
+    n = 1
+    while kept.exists():  # two resets within a second: keep both
+        n += 1
+        kept = kept.with_name(f"{region.path.name}.{region.id}.{stamp}-{n}.py")
     kept.parent.mkdir(parents=True, exist_ok=True)
     kept.write_text("".join(lines[t0:t1 + 1]))
     lines[t0:t1 + 1] = [l + "\n" for l in stub_lines[s0:s1 + 1]]
