@@ -7,7 +7,8 @@
     distlab watch           re-check the current exercise whenever you save its template
     distlab reset 1.1       put a TODO region back to its stub (your code is kept in .distlab/reset/)
 
-Modules: ``course`` (exercises, TODO regions, tests, the state file), ``checks`` (running
-pytest for one exercise), ``hints``, ``cli`` (the commands), ``warm`` (a pytest plugin that
-starts the rank launcher while pytest collects).
+Modules: ``course`` (exercises, TODO regions, tests, the state file ``.distlab/state.json``),
+``checks`` (pytest for one exercise, its verdict), ``hints``, ``reset``, ``cli`` (the commands),
+``warm`` (a pytest plugin that starts the rank launcher's forkserver while pytest collects).
+``check --trace DIR`` records every rank of every world the tests start (distlab/trace.py).
 """
