@@ -47,7 +47,7 @@ def _is_learner(filename: str) -> bool:
 
 
 def _learner_on_stack(direct_only: bool) -> str | None:
-    frame = sys._getframe(2)  # 0: here, 1: the hook, 2: the code that caused the event
+    frame = sys._getframe(3)  # 0: here, 1: _refusal, 2: the hook, 3: the code that caused the event
     while frame is not None:
         if _is_learner(frame.f_code.co_filename):
             return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
@@ -57,12 +57,40 @@ def _learner_on_stack(direct_only: bool) -> str | None:
     return None
 
 
+def _resolve(path, dir_fd=None) -> str | None:
+    """An absolute path for an event's ``path`` (relative to ``dir_fd`` when given, as rmtree does it)."""
+    if not isinstance(path, (str, bytes)):
+        return None
+    path = os.fsdecode(path)
+    if os.path.isabs(path):
+        return os.path.normpath(path)
+    try:
+        base = os.readlink(f"/proc/self/fd/{dir_fd}") if isinstance(dir_fd, int) and dir_fd >= 0 else os.getcwd()
+    except OSError:
+        return None
+    return os.path.normpath(os.path.join(base, path))
+
+
+def _changed_paths(event: str, args: tuple) -> list[str]:
+    if event in ("os.rename", "os.link", "os.symlink"):  # (src, dst, src_dir_fd, dst_dir_fd)
+        pairs = [(args[0], args[2] if len(args) > 2 else None), (args[1], args[3] if len(args) > 3 else None)]
+    elif event in ("shutil.copyfile", "shutil.move"):
+        pairs = [(args[0], None), (args[1], None)]
+    elif event == "os.truncate":
+        pairs = [(args[0], None)]
+    else:  # remove, rmdir, rmtree, chmod, chown: the dir_fd comes last
+        pairs = [(args[0], args[-1] if len(args) > 1 else None)]
+    return [p for p in (_resolve(path, fd) for path, fd in pairs) if p]
+
+
 def _refusal(event: str, args: tuple) -> str | None:
     if event == "open":
         path, mode = args[0], args[1] if len(args) > 1 else "r"
         if not isinstance(path, (str, bytes)):
             return None
-        path = os.path.abspath(os.fsdecode(path))
+        if not os.path.isabs(os.fsdecode(path)) and not _learner_on_stack(True):
+            return None  # relative to a directory fd (the event does not say which): the stdlib's, not the learner's
+        path = _resolve(path) or ""
         writes = isinstance(mode, str) and any(c in mode for c in "wax+")
         if path.startswith(_PROTECTED) or (writes and path.startswith(str(REPO) + os.sep)):
             return f"open {path!r} ({mode})" if _learner_on_stack(False) else None
@@ -73,7 +101,7 @@ def _refusal(event: str, args: tuple) -> str | None:
             return f"import {name}" if _learner_on_stack(False) else None
         return None
     if event in _FILE_CHANGES:
-        paths = [os.path.abspath(os.fsdecode(a)) for a in args if isinstance(a, (str, bytes))]
+        paths = _changed_paths(event, args)
         if any(p.startswith(str(REPO) + os.sep) for p in paths):
             return f"{event} {paths[0]!r}" if _learner_on_stack(False) else None
         return None
