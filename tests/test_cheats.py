@@ -84,6 +84,14 @@ def source(tmp_path_factory) -> Path:
     return where / "source"
 
 
+def nobody_runs_python() -> bool:
+    """Whether ``nobody`` can run this interpreter (not where it lives under /root): the locked-down run
+    then drops ranks to it, as on Gradescope, where the venv is /autograder/venv."""
+    probe = subprocess.run(["runuser", "-u", "nobody", "--", sys.executable, "-c", "import torch.utils.serialization"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
 def run_autograder(source: Path, root: Path, files: dict[str, Path], exercises: list[str], k: str) -> dict:
     """Gradescope's entry point, dry-run on a submission of ``files`` (name in the upload -> file)."""
     for rel, path in files.items():
@@ -95,7 +103,9 @@ def run_autograder(source: Path, root: Path, files: dict[str, Path], exercises: 
     proc = subprocess.run(["bash", str(source / "run_autograder")], env=env, cwd=root,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads((root / "results" / "results.json").read_text())
+    results = json.loads((root / "results" / "results.json").read_text())
+    results["stdout"] = proc.stdout
+    return results
 
 
 @pytest.mark.timeout(300)
@@ -134,21 +144,39 @@ def test_a_patch_at_import_is_put_back_for_the_exercises_graded_after_it(tmp_pat
         torch.testing.assert_close = original
 
 
-def test_untouched_templates_grade_and_an_honest_submission_scores(source, tmp_path):
-    """Nothing submitted but untouched templates: 0, no crash. Finished regions copied in: full marks."""
+def finished(phase: str, name: str, where: Path) -> Path:
+    """The template of ``phase/name`` with every exercise region filled in from its solution."""
     from distlab import bugs
 
-    solution = REPO / "solutions" / "phase1_data_parallel" / "data_loader.py"
-    honest = tmp_path / "template_data_loader.py"
-    honest.write_text(bugs.render_partial(solution, set(re.findall(r"BEGIN SOLUTION (\S+):", solution.read_text()))))
+    solution = REPO / "solutions" / phase / f"{name}.py"
+    path = where / f"template_{name}.py"
+    ids = set(re.findall(r"BEGIN SOLUTION (\d+\.\d+)[a-z]?:", solution.read_text()))  # 4.4a, 4.4b: "4.4"
+    path.write_text(bugs.render_partial(solution, ids))
+    return path
+
+
+# Honest work that writes, replaces and prunes its own files (os.replace, shutil.rmtree) in ranks and in
+# pytest's process: the sandbox must let it through.
+CHECKPOINT = {"4.1 atomic checksummed save": "save_file_roundtrip_matches_torch_save",
+              "4.4 checkpoint manager": "manager_falls_back_to_newest_good_checkpoint and 2"}
+
+
+def test_untouched_templates_grade_and_an_honest_submission_scores(source, tmp_path):
+    """Nothing submitted but untouched templates: 0, no crash. Finished regions copied in: full marks."""
+    honest = finished("phase1_data_parallel", "data_loader", tmp_path)
+    checkpoint = finished("phase4_production", "checkpoint", tmp_path)
     untouched = REPO / "phase1_data_parallel" / "template_collectives.py"
-    exercises = [GRADED["template_collectives.py"][0], GRADED["template_data_loader.py"][0]]
-    k = f"({GRADED['template_collectives.py'][1]}) or ({GRADED['template_data_loader.py'][1]})"
+    exercises = [GRADED["template_collectives.py"][0], GRADED["template_data_loader.py"][0], *CHECKPOINT]
+    k = " or ".join(f"({e})" for e in [GRADED["template_collectives.py"][1], GRADED["template_data_loader.py"][1],
+                                       *CHECKPOINT.values()])
     results = run_autograder(source, tmp_path / "ag", {"template_data_loader.py": honest,
-                                                       "template_collectives.py": untouched}, exercises, k)
+                                                       "template_collectives.py": untouched,
+                                                       "template_checkpoint.py": checkpoint}, exercises, k)
     by_name = {t["name"]: t for t in results["tests"]}
     assert by_name[exercises[1]]["score"] == 2, by_name[exercises[1]]
     assert by_name[exercises[0]]["score"] == 0 and "TODO 1.2" in by_name[exercises[0]]["output"], by_name[exercises[0]]
+    for e in CHECKPOINT:
+        assert by_name[e]["score"] == by_name[e]["max_score"] > 0, by_name[e]
 
 
 def test_duplicate_uploads_are_refused_naming_both(source, tmp_path):
@@ -196,7 +224,6 @@ def test_a_graded_rank_started_as_root_cannot_read_root_only_files(tmp_path, mon
 @pytest.mark.skipif(os.geteuid() != 0, reason="the root path needs root, as Gradescope runs the grader")
 def test_a_locked_down_bundle_grades_honest_work_and_refuses_a_cheat(tmp_path):
     """setup.sh's lockdown on the unpacked bundle (user nobody), then run_autograder as root."""
-    from distlab import bugs
     from distlab.grade import autograder_zip
 
     with zipfile.ZipFile(autograder_zip(tmp_path / "autograder.zip")) as z:
@@ -204,12 +231,16 @@ def test_a_locked_down_bundle_grades_honest_work_and_refuses_a_cheat(tmp_path):
     source = tmp_path / "source"
     subprocess.run(["bash", str(source / "grading/gradescope/lockdown.sh"), str(source), "nobody"], check=True)
     assert (source / "solutions").stat().st_mode & 0o077 == 0
-    solution = REPO / "solutions" / "phase1_data_parallel" / "collectives.py"
-    honest = tmp_path / "template_collectives.py"
-    honest.write_text(bugs.render_partial(solution, set(re.findall(r"BEGIN SOLUTION (\S+):", solution.read_text()))))
-    files = {"template_collectives.py": honest, "template_data_loader.py": cheat_file("read_test_file")}
-    exercises = [GRADED[f][0] for f in files]
-    results = run_autograder(source, tmp_path / "ag", files, exercises, " or ".join(f"({GRADED[f][1]})" for f in files))
+    files = {"template_collectives.py": finished("phase1_data_parallel", "collectives", tmp_path),
+             "template_data_loader.py": cheat_file("read_test_file"),
+             "template_checkpoint.py": finished("phase4_production", "checkpoint", tmp_path)}
+    exercises = [GRADED[f][0] for f in list(files)[:2]] + list(CHECKPOINT)
+    k = " or ".join(f"({e})" for e in [GRADED[f][1] for f in list(files)[:2]] + list(CHECKPOINT.values()))
+    results = run_autograder(source, tmp_path / "ag", files, exercises, k)
     by_name = {t["name"]: t for t in results["tests"]}
-    assert by_name[exercises[0]]["score"] == 3, by_name[exercises[0]]  # ranks ran it as nobody
+    assert by_name[exercises[0]]["score"] == 3, by_name[exercises[0]]  # ranks ran it as nobody (if it can)
     assert by_name[exercises[1]]["score"] == 0, by_name[exercises[1]]
+    for e in CHECKPOINT:  # ranks as nobody write checkpoints to the test's tmp_path
+        assert by_name[e]["score"] == by_name[e]["max_score"] > 0, by_name[e]
+    if not nobody_runs_python():  # here: said, and the ranks stay root (the drop itself: the test above)
+        assert "ranks stay root: nobody cannot run" in results["stdout"], results["stdout"][-2000:]
