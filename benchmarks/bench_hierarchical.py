@@ -43,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -140,31 +140,48 @@ def _time_pattern(pattern, rounds: int = 5) -> list[float]:
     return slowest.tolist()
 
 
-def _ring_step_breakdown(nbytes: int, ranks_per_node: int) -> dict[str, list[float]]:
-    """What one step of the flat ring costs, piece by piece, with its chunk of n/W bytes.
+def _ready_notice_delay(nbytes: int, ranks_per_node: int, offset_s: float = 0.02) -> dict[str, list[float]]:
+    """What a node-crossing hop of the flat ring costs when the opposite direction is busy.
 
-    ``crossing hop alone``: the last rank of node 0 to the first of node 1, nothing else moving
-    (what the model charges per step); ``both crossing hops``: that and the last rank of the last
-    node to rank 0 at once (opposite directions on the link); ``ring step``: every rank sends
-    right and receives left at once, as ``ring_allreduce`` does 2(W-1) times.
+    gloo sends a message only once the receiver's "ready to receive" notice has arrived (its TCP
+    pair: a send waits for the peer's NOTIFY_RECV_READY). In the ring that notice, from the first
+    rank of node 1 to the last of node 0, leaves through node 1's tbf queue, where the last rank's
+    data for rank 0 may already wait. Three timings of the hop (n/W bytes, on its receiver, from the
+    moment both ends post it, ``offset_s`` after a barrier):
+
+    * ``crossing hop alone``: nothing else moving (what the model charges per step);
+    * ``receive posted behind queued data``: the last rank sends to rank 0 from the barrier on,
+      so the notice waits behind that data;
+    * ``receive posted before``: the same, but the receive is posted at the barrier, before the
+      queue fills.
+    The offset is the experiment's variable (the skew that ranks of a running ring drift into), not a wait
+    for an event.
     """
     from distlab import p2p
 
     rank, world_size, g = dist.get_rank(), dist.get_world_size(), ranks_per_node
     chunk, incoming = torch.ones(nbytes // 4 // world_size), torch.empty(nbytes // 4 // world_size)
-    crossings = [(g - 1, g), (world_size - 1, 0)]
+    src, dst, other = g - 1, g, world_size - 1
 
-    def hops(pairs):
-        for src, dst in pairs:
-            if rank == src:
-                p2p.send(chunk, dst)
-            elif rank == dst:
-                p2p.recv(incoming, src)
+    def trial(kind: str) -> float:
+        dist.barrier()
+        start, took = time.perf_counter(), 0.0
+        if kind != "crossing hop alone" and rank in (other, 0):
+            (p2p.send(chunk, 0) if rank == other else p2p.recv(incoming, other))
+        if rank == src:
+            time.sleep(offset_s)
+            p2p.send(chunk, dst)
+        elif rank == dst:
+            if kind != "receive posted before":
+                time.sleep(offset_s)
+            p2p.recv(incoming, src)
+            took = time.perf_counter() - start - offset_s
+        shared = torch.tensor([took], dtype=torch.float64)
+        dist.broadcast(shared, dst)
+        return shared.item()
 
-    return {"crossing hop alone": _time_pattern(lambda: hops(crossings[:1])),
-            "both crossing hops": _time_pattern(lambda: hops(crossings)),
-            "ring step": _time_pattern(lambda: p2p.send_recv(chunk, (rank + 1) % world_size,
-                                                              incoming, (rank - 1) % world_size))}
+    kinds = ["crossing hop alone", "receive posted behind queued data", "receive posted before"]
+    return {kind: [trial(kind) for _ in range(5)] for kind in kinds}
 
 
 def _worker_race(rank: int, world_size: int, ranks_per_node: int, sizes: list[int], probe_bytes: int,
@@ -177,7 +194,7 @@ def _worker_race(rank: int, world_size: int, ranks_per_node: int, sizes: list[in
     g = ranks_per_node
     groups = algos.make_node_groups(g)
     links = {"intra": _measure_link(0, 1, intra_probe_bytes), "inter": _measure_link(g - 1, g, probe_bytes)}
-    out = {"links": links, "by_size": {}, "ring_step": {}}
+    out = {"links": links, "by_size": {}, "ready_notice": {}}
     fns = {FLAT_GLOO: dist.all_reduce, FLAT_RING: ring.ring_allreduce,
            HIER: lambda t: algos.hierarchical_allreduce(t, groups)}
     for nbytes in sizes:
@@ -188,7 +205,7 @@ def _worker_race(rank: int, world_size: int, ranks_per_node: int, sizes: list[in
             contenders.append(Contender(name, run=lambda fn=fn, buf=buf: (fn(buf), buf)[1],
                                         prepare=lambda buf=buf: buf.copy_(x)))
         out["by_size"][str(nbytes)] = measure(contenders, FLAT_GLOO, repeats=repeats, warmup=1, check=_equal)
-        out["ring_step"][str(nbytes)] = _ring_step_breakdown(nbytes, g)
+        out["ready_notice"][str(nbytes)] = _ready_notice_delay(nbytes, g)
     return out
 
 
@@ -302,8 +319,9 @@ def rows(runs: list[dict], sizes: list[int], rate_mbit: float) -> dict[str, dict
     bandwidths = [[bw * 8 / 1e6 / rate_mbit for bw in r["result"]["links"]["inter"]["bandwidth_Bps"]] for r in runs]
     out["inter-node bandwidth / tbf rate"] = stat_row(
         bandwidths, metric="bandwidth", world_size=2, size=f"{PROBE_BYTES / MiB:g} MiB one way, {where}",
-        load=load_of(runs), meaning=f"measured one-way TCP payload rate between nodes / the {rate_mbit:g} Mbit/s set with "
-                           "tc tbf (about 0.95: Ethernet, IP and TCP headers count against the rate)")
+        load=load_of(runs),
+        meaning=f"measured one-way TCP payload rate between nodes / the {rate_mbit:g} Mbit/s set with tc tbf "
+                "(about 0.95: Ethernet, IP and TCP headers count against the rate)")
     for nbytes in sizes:
         size = f"{nbytes / MiB:g} MiB, {where}"
         pick = lambda result, nbytes=nbytes: result["by_size"][str(nbytes)]  # noqa: E731
@@ -314,24 +332,21 @@ def rows(runs: list[dict], sizes: list[int], rate_mbit: float) -> dict[str, dict
         p = spread(predicted)
         model = (f"the alpha-beta model with the links measured in each launch predicts {p['median']:.2f} "
                  f"(launches {' '.join(f'{v:.2f}' for v in predicted)})")
-        steps = {part: statistics.median(v for r in runs for v in r["result"]["ring_step"][str(nbytes)][part])
-                 for part in runs[0]["result"]["ring_step"][str(nbytes)]}
-        step_note = (f"; one ring step ({nbytes / MiB / world_size:g} MiB to the right, all ranks at once) took "
-                     f"{steps['ring step'] * 1e3:.0f} ms, its crossing hop alone {steps['crossing hop alone'] * 1e3:.0f}"
-                     f" ms, both crossing hops at once {steps['both crossing hops'] * 1e3:.0f} ms")
+        hop = {kind: statistics.median(v for r in runs for v in r["result"]["ready_notice"][str(nbytes)][kind])
+               for kind in runs[0]["result"]["ready_notice"][str(nbytes)]}
         for flat, what in ((FLAT_RING, "the learner's ring (3.3)"), (FLAT_GLOO, "gloo's all_reduce")):
             row = ratio_row(runs, flat, HIER, world_size=world_size, size=size, key=pick,
                             meaning=f"time of the flat all-reduce ({what}) / hierarchical (3.6), same tensor, "
-                                    f"same launch (above 1: hierarchical faster); {model}"
-                                    + (step_note if flat == FLAT_RING else ""))
+                                    f"same launch (above 1: hierarchical faster); {model}")
             row["predicted"] = p
             if flat == FLAT_RING:
-                row["ring_step_s"] = steps
+                row["crossing_hop_s"] = hop
             out[f"{flat} / {HIER}, {nbytes / MiB:g} MiB"] = row
         # measured / predicted per repeat, with that launch's prediction: 1 = the model is exact
-        per_launch = [[f / h / pred for f, h in zip(pick(r["result"])["times"][FLAT_RING],
-                                                     pick(r["result"])["times"][HIER])]
-                      for r, pred in zip(runs, predicted)]
+        per_launch = []
+        for r, pred in zip(runs, predicted):
+            times = pick(r["result"])["times"]
+            per_launch.append([f / h / pred for f, h in zip(times[FLAT_RING], times[HIER])])
         # The model's ring step: one crossing hop of n/W (alpha + bytes x beta of the probes), per launch.
         model_step = statistics.median(_links_of(r).alpha_inter + nbytes / world_size * _links_of(r).beta_inter
                                        for r in runs)
@@ -339,13 +354,15 @@ def rows(runs: list[dict], sizes: list[int], rate_mbit: float) -> dict[str, dict
             per_launch, metric="ratio", world_size=world_size, size=size, load=load_of(runs),
             model_ring_step_s=model_step,
             meaning="(flat ring / hierarchical, measured) / the alpha-beta model's ratio for the same launch's "
-                    "links (1: the model is exact; above 1: hierarchical wins by more). Why above 1: each of the "
-                    f"ring's {2 * (world_size - 1)} steps took {steps['ring step'] * 1e3:.0f} ms against "
-                    f"{model_step * 1e3:.0f} ms modelled, though its crossing hop alone took "
-                    f"{steps['crossing hop alone'] * 1e3:.0f} ms (tbf's 64 KB burst passes at line rate) and both "
-                    f"crossing hops at once {steps['both crossing hops'] * 1e3:.0f} ms: a per-step cost of "
-                    "4 processes meeting on 2 shared cores that the idle link's alpha (a 4-byte round trip) "
-                    "leaves out; it weighs less as the steps grow")
+                    "links (1: the model is exact; above 1: hierarchical wins by more). What the model leaves out: "
+                    "gloo sends only after the receiver's ready notice arrives, and in the ring the notice for a "
+                    "node-crossing hop leaves through the other node's tbf queue, behind the opposite crossing "
+                    f"hop's data: the hop ({nbytes / MiB / world_size:g} MiB) took "
+                    f"{hop['crossing hop alone'] * 1e3:.0f} ms alone, "
+                    f"{hop['receive posted behind queued data'] * 1e3:.0f} ms with its receive posted behind that "
+                    f"data, {hop['receive posted before'] * 1e3:.0f} ms posted before it (model "
+                    f"{model_step * 1e3:.0f} ms); the ring has {2 * (world_size - 1)} such steps, the leaders' "
+                    "all-reduce 2, and the model's alpha (a 4-byte round trip on an idle link) leaves the wait out")
     return out
 
 
@@ -396,7 +413,8 @@ def run(quick: bool = False, out_dir: Path | None = None, launches: int = 3, rat
             "note": "containers as nodes on a bridge network, each node's eth0 egress limited by tc tbf; ranks "
                     "of a node talk over its loopback. Contenders rotated per repeat, results bitwise equal, "
                     "a repeat's time is the slowest rank's; links measured in every launch",
-            "seconds": time.monotonic() - started, "runs": runs}  # runs: every launch's measurements, rows rebuild from them
+            "seconds": time.monotonic() - started,
+            "runs": runs}  # every launch's measurements: the rows can be rebuilt from them
 
 
 def _not_rerun(why: str) -> dict:

@@ -230,6 +230,6 @@ def test_hierarchical_bench_race_checks_results_and_refuses_an_unshaped_link():
     assert {f"{bench.FLAT_RING} / {bench.HIER}, 0.0625 MiB", f"{bench.FLAT_GLOO} / {bench.HIER}, 0.0625 MiB",
             "inter-node bandwidth / tbf rate"} <= set(rows), sorted(rows)
     ring_row = rows[f"{bench.FLAT_RING} / {bench.HIER}, 0.0625 MiB"]
-    assert "predicts" in ring_row["meaning"] and ring_row["predicted"]["n"] == 1 and ring_row["ring_step_s"]
+    assert "predicts" in ring_row["meaning"] and ring_row["predicted"]["n"] == 1 and ring_row["crossing_hop_s"]
     with pytest.raises(RuntimeError, match="not about the 40 set with tc tbf"):
         bench._check_shaping(runs, rate_mbit=40)
