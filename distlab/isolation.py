@@ -55,6 +55,16 @@ HATCH_ATTRS = {"f_back", "f_globals", "f_locals", "f_builtins", "f_code", "gi_fr
                "subprocess", "loader", "modules", "solutions"}
 
 
+# The bench's given copies of taught functions: a later exercise gets them from distlab, and the
+# exercise that teaches them may never import them (whatever its untouched template says).
+BENCH_COPIES = {
+    "trainer": {"distlab.sync": {"broadcast_module", "broadcast_tensors", "allreduce_gradients", "average_buffers"}},
+    "tp_primitives": {"distlab.tp": {"copy_to_region", "reduce_from_region", "gather_from_region",
+                                     "scatter_to_region", "_CopyToRegion", "_ReduceFromRegion",
+                                     "_GatherFromRegion", "_ScatterToRegion"}},
+}
+
+
 def _module_of(node: ast.AST) -> list[tuple[str, str | None]]:
     """(module, name) pairs an import node brings in; name None for ``import x``."""
     if isinstance(node, ast.Import):
@@ -150,8 +160,13 @@ def lint(path: Path, phase: str, name: str) -> list[str]:
     allowed_imports, allowed_hatches = untouched_allowance(phase, name)
     imports, hatches = _findings(tree)
     problems = []
+    own_copies = BENCH_COPIES.get(name, {})
     for module, item in sorted(imports, key=str):
-        if not _import_allowed(module, item, allowed_imports):
+        if item in own_copies.get(module, ()) or (item is None and module in own_copies) or \
+                (module == "distlab" and item in {m.split(".")[1] for m in own_copies}):
+            problems.append(f"{where}: `from {module} import {item}` is the bench's copy of this exercise: "
+                            "implement it here instead")
+        elif not _import_allowed(module, item, allowed_imports):
             what = f"from {module} import {item}" if item else f"import {module}"
             problems.append(f"{where}: `{what}` is not allowed here (the untouched template does not import it; "
                             "an exercise may not use the bench's given copy of itself)")

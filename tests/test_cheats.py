@@ -244,3 +244,55 @@ def test_a_locked_down_bundle_grades_honest_work_and_refuses_a_cheat(tmp_path):
         assert by_name[e]["score"] == by_name[e]["max_score"] > 0, by_name[e]
     if not nobody_runs_python():  # here: said, and the ranks stay root (the drop itself: the test above)
         assert "ranks stay root: nobody cannot run" in results["stdout"], results["stdout"][-2000:]
+
+
+# --------------------------------------------------------------------------- the rules themselves
+def _finished_text(solution: Path) -> str:
+    from distlab import bugs
+
+    return bugs.render_partial(solution, set(re.findall(r"BEGIN SOLUTION (\d+\.\d+)[a-z]?:", solution.read_text())))
+
+
+def test_untouched_and_finished_templates_pass_the_rules(tmp_path):
+    """The rules refuse cheats, not lessons: every template as generated, and with every region filled in
+    from its solution, passes them."""
+    from distlab import isolation
+    from distlab.templates import sources, template_path
+
+    problems = []
+    for solution in sources():
+        phase, name = solution.parent.name, solution.stem
+        finished_copy = tmp_path / f"{phase}-{name}.py"
+        finished_copy.write_text(_finished_text(solution))
+        problems += isolation.lint(template_path(solution), phase, name) + isolation.lint(finished_copy, phase, name)
+    assert not problems, "\n".join(problems)
+
+
+def test_no_template_may_import_the_bench_copy_of_its_own_exercise(tmp_path):
+    """Per-exercise import rule. Every function or class holding an exercise region whose name a distlab
+    module also defines is in isolation.BENCH_COPIES, and each listed copy is refused to its template."""
+    import ast
+
+    from distlab import isolation
+    from distlab.templates import sources
+
+    bench = {}
+    for path in sorted((REPO / "distlab").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                bench.setdefault(node.name, []).append(f"distlab.{path.stem}")
+    for solution in sources():
+        text = solution.read_text()
+        for node in ast.parse(text).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and "BEGIN SOLUTION" in ast.get_source_segment(text, node):
+                for module in bench.get(node.name, []):
+                    assert node.name in isolation.BENCH_COPIES.get(solution.stem, {}).get(module, ()), \
+                        f"{module}.{node.name} copies exercise code of {solution.stem}: add it to isolation.BENCH_COPIES"
+    for stem, modules in isolation.BENCH_COPIES.items():
+        phase = next(s.parent.name for s in sources() if s.stem == stem)
+        for module, names in modules.items():
+            for name in names:
+                cheat = tmp_path / "t.py"
+                cheat.write_text(f"from {module} import {name}\n")
+                assert any("the bench's copy of this exercise" in p for p in isolation.lint(cheat, phase, stem)), \
+                    (stem, module, name)
