@@ -106,7 +106,7 @@ def _exec_guarded(run, rel: str) -> None:
     guard, before = BenchGuard(), set(sys.modules)
     from distlab import launch, sandbox
 
-    if launch._IN_RUN_DISTRIBUTED:
+    if launch._IN_RUN_DISTRIBUTED:  # not a test's child (verdict.py): it may start ranks, which it must be able to end
         sandbox.drop_privileges()  # a rank graded as root: the learner's code runs as the unprivileged user
     run()
     changed = guard.restore()
@@ -127,6 +127,11 @@ def load(phase: str, name: str, impl: str | None = None) -> ModuleType:
     """
     explicit = impl is not None
     impl = impl or current_impl()
+    from distlab import launch, verdict
+
+    if impl == "templates" and verdict.PARENT and not verdict.IN_CHILD and not launch._IN_RUN_DISTRIBUTED:
+        raise RuntimeError("a template loaded in pytest's own process of a graded run: the verdicts must come "
+                           "from a process that never ran learner code (see distlab/verdict.py)")
     dotted, rel = module_path(phase, name, impl)
     student_dir = None if explicit else os.environ.get(STUDENT_DIR_ENV)
     if not student_dir:

@@ -73,6 +73,10 @@ def pytest_configure(config):
     os.environ[TIE_ENV] = str(os.getpid())
     if config.getoption("--impl") == "templates":
         _isolate_graded_run()
+        if student_dir:  # an instructor's grading run: no template in this process (distlab/verdict.py)
+            from distlab import verdict
+
+            verdict.PARENT = True
     config.addinivalue_line("markers", "exercise(name): the exercise a test grades")
     config.addinivalue_line("markers", "scaffold: checks code that templates provide ready-made")
     config.addinivalue_line("markers", "gpu: needs CUDA (skipped without enough GPUs)")
@@ -155,6 +159,16 @@ def pytest_deselected(items):
 
 def pytest_collection_finish(session):
     _note_collected(session.items)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    from distlab import verdict
+
+    if verdict.PARENT:
+        verdict.run_in_child(pyfuncitem)  # the learner's code loads there; its outcome comes back
+        return True
+    return None
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -38,8 +38,8 @@ GRADED = {
 ROUNDS = [
     {"lazy_import_inside_function": "solutions.phase1_data_parallel",
      "builtins_via_sys_modules": "`import sys` is not allowed",
-     "bench_copy_distlab_sync": "`from distlab.sync import allreduce_gradients` is not allowed",
-     "bench_copy_distlab_tp": "`from distlab.tp import copy_to_region` is not allowed"},
+     "bench_copy_distlab_sync": "`from distlab.sync import allreduce_gradients` is the bench's copy of this exercise",
+     "bench_copy_distlab_tp": "`from distlab.tp import copy_to_region` is the bench's copy of this exercise"},
     {"builtins_via_getattr": "`import builtins` is not allowed",
      "gc_search_for_reference": "`import gc` is not allowed",
      "exec_compile_open_reference": "`compile` is not allowed",
@@ -296,3 +296,43 @@ def test_no_template_may_import_the_bench_copy_of_its_own_exercise(tmp_path):
                 cheat.write_text(f"from {module} import {name}\n")
                 assert any("the bench's copy of this exercise" in p for p in isolation.lint(cheat, phase, stem)), \
                     (stem, module, name)
+
+
+# --------------------------------------------------------------------------- where the verdict is made
+WHERE_TESTS = '''
+import os
+import sys
+
+import pytest
+
+from distlab import load
+
+PYTEST_PID = os.getpid()  # collected in pytest's own process
+
+
+@pytest.mark.exercise("1.4-1.5 distributed sampler")
+def test_loads_the_template():
+    assert load("phase1_data_parallel", "data_loader").DistributedSampler
+    assert os.getpid() != PYTEST_PID, "the template was loaded in pytest's own process"
+
+
+@pytest.mark.exercise("1.4-1.5 distributed sampler")
+def test_pytest_process_never_held_it():
+    # forked from pytest's process after the test above: its modules are pytest's
+    assert not [m for m in sys.modules if m.startswith("_student.")], sorted(sys.modules)
+'''
+
+
+def test_graded_tests_load_templates_outside_pytests_process(tmp_path):
+    """The verdict comes from a process that never ran learner code (distlab/verdict.py)."""
+    (tmp_path / "copy" / "phase1_data_parallel").mkdir(parents=True)
+    finished("phase1_data_parallel", "data_loader", tmp_path / "copy" / "phase1_data_parallel")
+    tests = tmp_path / "test_where.py"
+    tests.write_text(WHERE_TESTS)
+    out = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(tests), f"--rootdir={REPO}",
+                           "-c", str(REPO / "pyproject.toml"), "--impl=templates",
+                           f"--student-dir={tmp_path / 'copy'}", f"--results-json={out}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    results = json.loads(out.read_text())
+    assert results["score"] == 2 and len(results["per_test"]) == 2, proc.stdout[-3000:]
