@@ -13,24 +13,21 @@ weights) + 2 (fp16 gradients) + K = 12 (fp32 master weights, momentum, variance)
     ZeRO-2 (this, stage=2) 2Psi     2Psi / W  K Psi / W
     ZeRO-3 (fsdp.py)      2Psi / W  2Psi / W  K Psi / W
 
-Flat-buffer sharding (given, distlab/flat_buckets.py): trainable parameters are packed (in backward order) into flat
-buckets padded to a multiple of W; rank r owns chunk r of every bucket, so ranks hold
-equal shares whatever the tensor shapes (torch's ZeroRedundancyOptimizer hands out
-whole tensors). The model's parameters are views into the buckets: an all-gather into
-a bucket updates the model in place.
+Flat-buffer sharding (given, distlab/flat_buckets.py): trainable parameters are packed (in backward order) into
+flat buckets padded to a multiple of W; rank r owns chunk r of every bucket, so ranks hold equal shares whatever
+the tensor shapes (torch's ZeroRedundancyOptimizer hands out whole tensors). The model's parameters are views
+into the buckets: an all-gather into a bucket updates the model in place.
 
     stage 1, after backward: all_reduce(grad bucket)  -> step on my chunk -> all_gather(param bucket)
     stage 2, during backward: reduce_scatter(grad bucket) as each bucket fills; the full
              bucket is freed as soon as its reduce-scatter completes (at most ``max_in_flight``
              in flight) -> at the end of backward, my chunk += mean -> step -> all_gather
 
-Peak gradient bytes per rank in stage 2: the 1/W chunks + the bucket being filled + the
-in-flight window (asserted by the tests with ``self.memory``, sampled at every hook).
-Cost per step: stage 1: all-reduce |grads| + all-gather |params| (3 Psi in a ring, 1.5x
-DDP); stage 2: reduce-scatter + all-gather = 2 Psi, the same as DDP's all-reduce.
-Several backwards before one ``step`` accumulate (stage 2: into the chunks, each
-backward's reduce-scatters finish when it ends). Unused parameters get zero gradients.
-
+Peak gradient bytes per rank in stage 2: the 1/W chunks + the bucket being filled + the in-flight window
+(asserted by the tests with ``self.memory``, sampled at every hook). Cost per step: stage 1: all-reduce
+|grads| + all-gather |params| (3 Psi in a ring, 1.5x DDP); stage 2: reduce-scatter + all-gather = 2 Psi,
+the same as DDP's all-reduce. Several backwards before one ``step`` accumulate (stage 2: into the chunks,
+each backward's reduce-scatters finish when it ends). Unused parameters get zero gradients.
 See phase3_multi_node/guidelines_ddp_zero.md#zero-1-optimizer-state-sharded.
 
 ZeRO-Offload (given code, distlab/offload.py): with ``offload_device="cpu"`` the optimizer
@@ -69,10 +66,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         max_in_flight: stage 2: reduce-scatters in flight at once. group: None for WORLD.
         offload_device: None, or where the optimizer keeps its copies of my chunks, its
             state and takes its step (``"cpu"``: ZeRO-Offload).
-        module: the model whose parameters these are: its buffers (BatchNorm's running statistics)
-            are broadcast from group rank 0 before forwards as torch's DDP does around a
-            ``ZeroRedundancyOptimizer`` (``broadcast_buffers=True``; see
-            ``distlab.sync.broadcast_buffers_in_forward``). None: each rank keeps its own buffers.
+        module: the model: its buffers (BatchNorm's statistics) broadcast from rank 0 before forwards, as
+            torch's DDP does (``distlab.sync.broadcast_buffers_in_forward``). None: each rank keeps its own.
         **defaults: passed to ``optimizer_class`` (lr, weight_decay, ...).
 
     ``param_groups``/``state`` are the inner optimizer's (my chunks): LR schedulers work.
@@ -87,13 +82,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, optimizer_class: type[torch.optim.Optimizer], *, stage: int = 1,
                  bucket_size_mb: float = 25.0, max_in_flight: int = 2, group: dist.ProcessGroup | None = None,
-                 offload_device: str | torch.device | None = None, module: nn.Module | None = None,
-                 **defaults: Any) -> None:
+                 offload_device: str | torch.device | None = None, module: nn.Module | None = None, **defaults: Any):
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (stage 3 is FullyShardedDataParallel), got {stage}")
         if isinstance(params, nn.Module):  # like any torch optimizer
-            raise ValueError("ZeroOptimizer takes parameters, not a module: pass model.parameters() "
-                             "(and module=model to broadcast its buffers as torch's DDP does)")
+            raise ValueError("ZeroOptimizer takes parameters, not a module: pass model.parameters(), module=model")
         groups = list(params)
         groups = groups if groups and isinstance(groups[0], dict) else [{"params": groups}]
         groups = [{**g, "params": list(g["params"])} for g in groups]
@@ -117,8 +110,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._offloaded is not None:  # the inner optimizer steps on copies of my chunks there
             inner_groups = self._offloaded.param_groups(inner_groups)
         self.optimizer = optimizer_class(inner_groups, **defaults)
-        # A bare module: nothing but this makes the replicas' buffers agree, as DDP does for torch's ZeRO.
-        self._buffer_hooks = [] if module is None else broadcast_buffers_in_forward(module, group)
+        self._buffer_hooks = [] if module is None else broadcast_buffers_in_forward(module, group)  # DDP's job
         if self._offloaded is not None:
             self._offloaded.attach(self.optimizer)
         super().__init__(self.optimizer.param_groups, self.optimizer.defaults)
