@@ -242,9 +242,16 @@ class ShapedNodes:
         self.docker, self.rate_mbit = docker, rate_mbit
         self.prefix = f"distlab-hier-{os.urandom(4).hex()}"
         self.network, self.names = None, []
-        docker("network", "create", self.prefix, timeout=60)
+        try:
+            self._start(image, nodes, sysctls, REPO, python_mounts())
+        except BaseException:
+            self.close()  # whatever was made before the failure
+            raise
+
+    def _start(self, image: str, nodes: int, sysctls: tuple[str, ...], repo: Path, mounted: list[str]) -> None:
         self.network = self.prefix
-        mounts = [a for d in [*python_mounts(), str(REPO)] for a in ("-v", f"{d}:{d}:ro")]
+        self.docker("network", "create", self.network, timeout=60)
+        mounts = [a for d in [*mounted, str(repo)] for a in ("-v", f"{d}:{d}:ro")]
         env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/sbin:/usr/bin:/sbin:/bin",
                "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
                "GLOO_SOCKET_IFNAME": "eth0",  # every rank's address is its node's eth0; same-node peers go via lo
@@ -252,11 +259,11 @@ class ShapedNodes:
                "DISTLAB_P2P_SIZE_CHECK": "0"}
         for i in range(nodes):
             name = f"{self.prefix}-node{i}"
-            docker("run", "-d", "--rm", "--init", "--name", name, "--hostname", name, "--network", self.network,
-                   "--cap-add", "NET_ADMIN", *[a for x in sysctls for a in ("--sysctl", x)], *mounts, "-w", str(REPO),
-                   *[a for k, v in env.items() for a in ("-e", f"{k}={v}")], image, "tail", "-f", "/dev/null",
-                   timeout=120)
-            self.names.append(name)
+            self.names.append(name)  # before the run: a run that fails half-way may still leave a container
+            self.docker("run", "-d", "--rm", "--init", "--name", name, "--hostname", name, "--network", self.network,
+                        "--cap-add", "NET_ADMIN", *[a for x in sysctls for a in ("--sysctl", x)], *mounts,
+                        "-w", str(repo), *[a for k, v in env.items() for a in ("-e", f"{k}={v}")],
+                        image, "tail", "-f", "/dev/null", timeout=120)
         for name in self.names:
             self._shape(name)
 
@@ -299,10 +306,15 @@ class ShapedNodes:
                 "loadavg_after": os.getloadavg()}
 
     def close(self) -> None:
+        """Remove the containers and the network; RuntimeError naming any that remain."""
         for name in self.names:
             self.docker("rm", "-f", name, timeout=60, check=False)
         if self.network:
             self.docker("network", "rm", self.network, timeout=60, check=False)
+        left = (self.docker("ps", "-aq", "--filter", f"name={self.prefix}", timeout=60).stdout.split()
+                + self.docker("network", "ls", "-q", "--filter", f"name={self.prefix}", timeout=60).stdout.split())
+        if left:
+            raise RuntimeError(f"{self.prefix}: these containers/networks outlived the run: {left}; docker rm -f them")
 
 
 # --------------------------------------------------------------------------- rows
