@@ -11,12 +11,14 @@ state and variant in turn) so that a change in the machine's load hits them alik
 
     python -m benchmarks.bench_check [--runs 5] [--quick]
 
-writes benchmarks/results/check_latency.json (median, min and max seconds per case).
+writes benchmarks/results/check_latency.json (median, min and max wall seconds per case, and the
+CPU seconds used: a figure the machine's load does not change much).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -33,14 +35,21 @@ REPO = Path(__file__).resolve().parent.parent
 TARGET_S = 10.0  # the promise: a phase-1 verdict in under 10 s on 2 cores
 
 
-def timed_check(key: str, root: Path, warm: bool = True) -> tuple[float, int, tuple[float, float]]:
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed_check(key: str, root: Path, warm: bool = True) -> tuple[float, float, int, tuple[float, float]]:
+    """Wall seconds, CPU seconds (the check and every process it started, reaped: pytest, the
+    forkserver, the ranks), exit code, and the 1-minute load average before and after."""
     env = dict(os.environ, **{WARM_ENV: "1" if warm else "0"})
-    before = os.getloadavg()[0]
+    before, cpu = os.getloadavg()[0], _children_cpu_s()
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "distlab", "check", key, "--root", str(root)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     seconds = time.perf_counter() - start
-    return seconds, proc.returncode, (before, os.getloadavg()[0])
+    return seconds, _children_cpu_s() - cpu, proc.returncode, (before, os.getloadavg()[0])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,28 +71,31 @@ def main(argv: list[str] | None = None) -> None:
         for run in range(runs):
             for ex, state, warm in plan:
                 name = f"{ex.key} {state}" + ("" if warm else " (no early forkserver)")
-                seconds, rc, load = timed_check(ex.key, roots[state], warm)
+                seconds, cpu_s, rc, load = timed_check(ex.key, roots[state], warm)
                 expected = 0 if state == "finished" else 1
                 if rc != expected:
                     raise RuntimeError(f"check {ex.key} on the {state} copy exited {rc}, expected {expected}")
                 case = cases.setdefault(name, {"exercise": ex.name, "state": state, "warm": warm, "seconds": [],
-                                               "load_1min": []})
+                                               "cpu_seconds": [], "load_1min": []})
                 case["seconds"].append(round(seconds, 2))
+                case["cpu_seconds"].append(round(cpu_s, 2))
                 case["load_1min"].append([round(x, 2) for x in load])
-                print(f"run {run + 1}/{runs}  {name:<42} {seconds:6.2f} s   load {load[0]:.1f} -> {load[1]:.1f}",
-                      flush=True)
+                print(f"run {run + 1}/{runs}  {name:<42} {seconds:6.2f} s  cpu {cpu_s:6.2f} s   "
+                      f"load {load[0]:.1f} -> {load[1]:.1f}", flush=True)
     for case in cases.values():
         s = case["seconds"]
-        case.update(median_s=statistics.median(s), min_s=min(s), max_s=max(s))
+        case.update(median_s=statistics.median(s), min_s=min(s), max_s=max(s),
+                    median_cpu_s=statistics.median(case["cpu_seconds"]))
     loads = [x for c in cases.values() for pair in c["load_1min"] for x in pair]
     path = write_result("check_latency", {
         "target_s": TARGET_S, "runs": runs, "cases": cases,
         "load_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
-        "note": "wall time of `python -m distlab check ID --root COPY` (a new process), per run; "
-                "untouched: every test stops at the TODO; finished: every test runs"})
-    print(f"\n{'case':<44} {'median':>8} {'min':>7} {'max':>7}")
+        "note": "wall time of `python -m distlab check ID --root COPY` (a new process), per run, and the CPU "
+                "time of it and every process it started (on an idle 2-core machine the wall time is at least "
+                "half of that); untouched: every test stops at the TODO; finished: every test runs"})
+    print(f"\n{'case':<44} {'median':>8} {'min':>7} {'max':>7} {'cpu':>7}")
     for name, c in cases.items():
-        print(f"{name:<44} {c['median_s']:7.2f}s {c['min_s']:6.2f}s {c['max_s']:6.2f}s")
+        print(f"{name:<44} {c['median_s']:7.2f}s {c['min_s']:6.2f}s {c['max_s']:6.2f}s {c['median_cpu_s']:6.2f}s")
     print(f"load average (1 min) during the runs: {min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} cores")
     print(f"wrote {path}")
 
