@@ -25,7 +25,17 @@ INTRA_PROBE_BYTES inside one, answered by 4 bytes):
 so for W=4 ranks on M=2 nodes the ratio flat / hierarchical tends to 2(W-1)/W / (2(M-1)/M) = 1.5 as the
 intra-node link gets free: the ring sends 1.5 n across each node boundary, the leaders n.
 
-    python -m benchmarks.bench_hierarchical        # as root, where a Docker engine answers or can start (~3 min)
+What the model leaves out, measured in every launch (``_ready_notice_delay``): gloo sends a message
+only once the receiver's ready-to-receive notice has arrived, and in the flat ring the notice for a
+node-crossing hop leaves through the other node's tbf queue, behind the opposite crossing hop's
+data. Here a 0.25 MiB hop took 44 ms alone and 64 ms with its receive posted behind that data, so
+on 1 MiB the ring loses ~20% more to hierarchical than the model says; on 4 MiB the wait is small
+next to each step.
+
+    python -m benchmarks.bench_hierarchical            # as root, where a Docker engine answers or can start
+    python -m benchmarks.bench_hierarchical --rebuild  # rewrite the rows from the launches the JSON keeps
+
+(3 to 6 minutes on 2 shared cores.)
 
 writes benchmarks/results/hierarchical.json. Every container and the network end with the run.
 Where no engine can start, ``run`` says why and returns the last written results (marked "not_rerun").
