@@ -63,7 +63,8 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
             while it runs: up to a unit's bytes each, which no tensor meter sees).
 
     ``state_dict()`` holds the single-process names (my part of each sharded parameter; whole
-    tensors: ``fsdp_state.full_state_dict``). Inside ``no_sync()`` (or after
+    tensors: ``fsdp_state.full_state_dict``; an optimizer's state by these names, full or sharded:
+    ``distlab.flat_shards.optimizer_state_dict``). Inside ``no_sync()`` (or after
     ``set_requires_gradient_sync(False)``, FSDP2's spelling) backwards skip the reduce-scatters
     and sum each unit's full fp32 gradient locally (+|params| bytes); the next synced backward
     reduce-scatters that sum with its own gradients.
