@@ -111,9 +111,11 @@ def start_rank(rank: int, world_size: int, merge_when_done: bool = False) -> Non
     folder = os.environ.get(TRACE_ENV, "").strip()
     if not folder or _ACTIVE is not None:
         return
-    # One world: torchrun's job id, or the launcher's per-world marker (distlab.launch.RUN_MARKER_ENV).
-    world = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("DISTLAB_RUN_ID", "").rsplit(":", 1)[-1] \
-        or f"pid{os.getpid()}"
+    # One world: torchrun's job id and attempt (an elastic restart is a new world), or the launcher's
+    # per-world marker (distlab.launch.RUN_MARKER_ENV).
+    world = os.environ.get("DISTLAB_RUN_ID", "").rsplit(":", 1)[-1] or f"pid{os.getpid()}"
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        world = f"{os.environ['TORCHELASTIC_RUN_ID']}.attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     label = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0] or os.environ.get("RUN_MODE", "")
     ledger = TraceLedger().__enter__()
     _ACTIVE = {"folder": folder, "world": world, "label": label, "rank": rank, "world_size": world_size,

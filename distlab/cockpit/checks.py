@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from distlab.cockpit.course import REPO, Exercise, record_check, test_files
+from distlab.cockpit.course import REPO, Exercise, record_check, starts_worlds, test_files
 
 TIMEOUT_S = 600.0  # a whole exercise; a hung test is ended sooner by pytest-timeout (pyproject.toml)
 # distlab.launch.TIE_ENV: pytest (and every rank it starts) dies with this process. Spelled out,
@@ -38,8 +38,8 @@ def pytest_command(ex: Exercise, root: Path, results: Path, repo: Path = REPO) -
     cmd = [sys.executable, "-m", "pytest", *map(str, files), "-q", "-p", "no:cacheprovider",
            "-p", "distlab.bugs", "--impl=templates",
            f"--results-json={results}", f"--rootdir={repo}", "-c", str(repo / "pyproject.toml")]
-    if os.environ.get(WARM_ENV, "1") != "0":
-        cmd += ["-p", "distlab.cockpit.warm"]
+    if os.environ.get(WARM_ENV, "1") != "0" and starts_worlds(ex, repo):
+        cmd += ["-p", "distlab.cockpit.warm"]  # not for tests without ranks: a forkserver is ~3 CPU-s for nothing
     if root.resolve() != repo.resolve():
         cmd.append(f"--student-dir={root.resolve()}")  # '=': see distlab/pytest_plugin.py
     return cmd
