@@ -49,9 +49,12 @@ def _is_learner(filename: str) -> bool:
 def _learner_on_stack(direct_only: bool) -> str | None:
     frame = sys._getframe(3)  # 0: here, 1: _refusal, 2: the hook, 3: the code that caused the event
     while frame is not None:
-        if _is_learner(frame.f_code.co_filename):
-            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-        if direct_only:
+        filename = frame.f_code.co_filename
+        if _is_learner(filename):
+            return f"{os.path.basename(filename)}:{frame.f_lineno}"
+        if direct_only or filename.startswith("<frozen importlib"):
+            # Past an import boundary the code is a library's module body (torch sets environment
+            # variables as it imports), run because the learner imported it, not the learner's own act.
             return None
         frame = frame.f_back
     return None

@@ -5,8 +5,8 @@ that scores without implementing its exercise if nothing stops it. Every one goe
 grading/gradescope/run_autograder, from the autograder bundle unpacked in a scratch folder (so
 the reference and the tests sit beside the submission, as on Gradescope, and a cheat that
 writes files can only spoil the scratch copy), and must score 0 for its exercise with a
-one-line reason. Cheats on different template files share a grading run (four per run) and
-each exercise runs one cheap test (-k): the reason is what is checked, not the whole exercise.
+one-line reason. Cheats on different template files share a grading run (four per run), three runs go side by
+side, and each exercise runs one cheap test (-k): the reason is what is checked, not the whole exercise.
 What stops each one is in README.md's grading section.
 """
 from __future__ import annotations
@@ -92,33 +92,60 @@ def nobody_runs_python() -> bool:
     return probe.returncode == 0
 
 
-def run_autograder(source: Path, root: Path, files: dict[str, Path], exercises: list[str], k: str) -> dict:
-    """Gradescope's entry point, dry-run on a submission of ``files`` (name in the upload -> file)."""
+def start_autograder(source: Path, root: Path, files: dict[str, Path], exercises: list[str], k: str):
+    """Gradescope's entry point, dry-run on a submission of ``files`` (name in the upload -> file), started."""
     for rel, path in files.items():
         (root / "submission" / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(path, root / "submission" / rel)
     args = " ".join(f"'{e}'" for e in exercises)
     env = {**os.environ, "AUTOGRADER": str(root), "SOURCE": str(source), "PYTHON": sys.executable,
            "GRADE_ARGS": f"--exercises {args} -- -k '{k}'"}
-    proc = subprocess.run(["bash", str(source / "run_autograder")], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return subprocess.Popen(["bash", str(source / "run_autograder")], env=env, cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def finish_autograder(proc: subprocess.Popen, root: Path) -> dict:
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        proc.kill()  # nothing left if it ran over: its pytest and ranks die with it (distlab.launch.tie_to)
+        proc.wait()
+    assert proc.returncode == 0, out[-3000:]
     results = json.loads((root / "results" / "results.json").read_text())
-    results["stdout"] = proc.stdout
+    results["stdout"] = out
     return results
 
 
-@pytest.mark.timeout(300)
+def run_autograder(source: Path, root: Path, files: dict[str, Path], exercises: list[str], k: str) -> dict:
+    return finish_autograder(start_autograder(source, root, files, exercises, k), root)
+
+
+AT_ONCE = 3  # grading runs side by side: each is mostly one busy core (imports, one small world)
+
+
+@pytest.fixture(scope="module")
+def round_results(source, tmp_path_factory) -> list[dict]:
+    """Every round graded, AT_ONCE at a time (the catalogue's cost is these runs)."""
+    results, running = [None] * len(ROUNDS), []
+    for i, round_ in enumerate(ROUNDS):
+        files = {f"{name}/{cheat_file(name).name}": cheat_file(name) for name in round_}
+        graded = [GRADED[cheat_file(name).name] for name in round_]
+        root = tmp_path_factory.mktemp(f"round{i}")
+        running.append((i, root, start_autograder(source, root, files, [e for e, _ in graded],
+                                                  " or ".join(f"({k})" for _, k in graded))))
+        if len(running) == AT_ONCE or i == len(ROUNDS) - 1:
+            for j, root_j, proc in running:
+                results[j] = finish_autograder(proc, root_j)
+            running = []
+    return results
+
+
+@pytest.mark.timeout(400)  # the first one grades every round
 @pytest.mark.parametrize("round_", range(len(ROUNDS)), ids=lambda i: "+".join(ROUNDS[i]))
-def test_each_cheat_scores_zero_with_its_reason(round_, source, tmp_path):
-    cheats = {cheat_file(name).name: (name, reason) for name, reason in ROUNDS[round_].items()}
-    exercises = [GRADED[f][0] for f in cheats]
-    k = " or ".join(f"({GRADED[f][1]})" for f in cheats)
-    results = run_autograder(source, tmp_path, {f"{name}/{f}": cheat_file(name) for f, (name, _) in cheats.items()},
-                             exercises, k)
-    by_name = {t["name"]: t for t in results["tests"]}
-    for f, (name, reason) in cheats.items():
-        test = by_name[GRADED[f][0]]
+def test_each_cheat_scores_zero_with_its_reason(round_, round_results, source):
+    by_name = {t["name"]: t for t in round_results[round_]["tests"]}
+    for name, reason in ROUNDS[round_].items():
+        test = by_name[GRADED[cheat_file(name).name][0]]
         assert test["score"] == 0, f"cheat {name} scored {test['score']}: {test['output']}"
         assert reason in test["output"], f"cheat {name}: expected {reason!r} in the reason, got {test['output']!r}"
     written = source / "tests" / "test_phase1.py"
