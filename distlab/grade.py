@@ -5,6 +5,7 @@
     python -m distlab.grade                      # this checkout's templates
     python -m distlab.grade --tests tests/test_phase1.py -- -x   # one phase, extra pytest args
     python -m distlab.grade --autograder-zip autograder.zip      # Gradescope's autograder bundle
+    python -m distlab.grade --submission up/ --exercises "1.4-1.5 distributed sampler"  # some exercises only
 
 The tests come from this (the instructor's) checkout; the code under test from
 ``--student-dir`` (its ``phaseN_*/template_*.py`` by default, ``--impl solutions``
