@@ -338,6 +338,9 @@ def load_optimizer_state_dict(fsdp: nn.Module, optimizer: torch.optim.Optimizer,
             if name in meta["pieces"] and tuple(meta["pieces"][name]) != (lo, hi, shape):
                 raise ValueError(f"FSDP optimizer state: {name} was saved as elements {tuple(meta['pieces'][name][:2])}"
                                  f" of {meta['pieces'][name][2]}; this rank holds [{lo}, {hi}) of {shape}: {fix}")
+    if len(state_dict["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"optimizer state with {len(state_dict['param_groups'])} param groups cannot load into an "
+                         f"optimizer with {len(optimizer.param_groups)}: build its groups as when it was saved")
     inner_state, groups, index = {}, [], 0
     for saved_group, params in zip(state_dict["param_groups"], _named_params(fsdp, optimizer)):
         names = _in_model_order(fsdp, [n for _, unit_names in params for n in unit_names])
