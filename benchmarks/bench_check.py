@@ -3,11 +3,9 @@
 The learner's inner loop: edit, check, read the verdict. Each phase-1 exercise is checked as
 the learner runs it (``python -m distlab check ID --root COPY``, a new process each time) on a
 scratch copy in two states: untouched (every test stops at the TODO: the usual verdict while
-working) and finished (every test runs to the end: the slowest verdict). Then, on the slowest
-exercise, the same check without the early forkserver (``DISTLAB_CHECK_WARM=0``), to show what
-the ``distlab.cockpit.warm`` plugin saves. Runs are interleaved (exercise by exercise, each
-state and variant in turn) so that a change in the machine's load hits them alike; the
-1-minute load average is recorded around each run, since the machine may be shared.
+working) and finished (every test runs to the end: the slowest verdict). Runs are interleaved
+(exercise by exercise, each state in turn) so that a change in the machine's load hits them
+alike; the 1-minute load average is recorded around each run, since the machine may be shared.
 
     python -m benchmarks.bench_check [--runs 5] [--quick]
 
@@ -29,7 +27,6 @@ from pathlib import Path
 from benchmarks.common import write_result
 from distlab.bugs import student_copy
 from distlab.cockpit import course
-from distlab.cockpit.checks import WARM_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET_S = 10.0  # the promise: a phase-1 verdict in under 10 s on 2 cores
@@ -40,13 +37,12 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def timed_check(key: str, root: Path, warm: bool = True) -> tuple[float, float, int, tuple[float, float]]:
+def timed_check(key: str, root: Path) -> tuple[float, float, int, tuple[float, float]]:
     """Wall seconds, CPU seconds (the check and every process it started, reaped: pytest, the
     forkserver, the ranks), exit code, and the 1-minute load average before and after."""
-    env = dict(os.environ, **{WARM_ENV: "1" if warm else "0"})
     before, cpu = os.getloadavg()[0], _children_cpu_s()
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "distlab", "check", key, "--root", str(root)], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "distlab", "check", key, "--root", str(root)], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     seconds = time.perf_counter() - start
     return seconds, _children_cpu_s() - cpu, proc.returncode, (before, os.getloadavg()[0])
@@ -65,17 +61,15 @@ def main(argv: list[str] | None = None) -> None:
         roots = {"finished": student_copy(Path(tmp) / "finished", ids)}
         if not args.quick:
             roots["untouched"] = student_copy(Path(tmp) / "untouched", set())
-        slowest = exercises[-1]  # 1.6-1.8: 24 tests, the most worlds
-        plan = [(ex, state, True) for ex in exercises for state in roots]
-        plan += [(slowest, "finished", False)]
+        plan = [(ex, state) for ex in exercises for state in roots]
         for run in range(runs):
-            for ex, state, warm in plan:
-                name = f"{ex.key} {state}" + ("" if warm else " (no early forkserver)")
-                seconds, cpu_s, rc, load = timed_check(ex.key, roots[state], warm)
+            for ex, state in plan:
+                name = f"{ex.key} {state}"
+                seconds, cpu_s, rc, load = timed_check(ex.key, roots[state])
                 expected = 0 if state == "finished" else 1
                 if rc != expected:
                     raise RuntimeError(f"check {ex.key} on the {state} copy exited {rc}, expected {expected}")
-                case = cases.setdefault(name, {"exercise": ex.name, "state": state, "warm": warm, "seconds": [],
+                case = cases.setdefault(name, {"exercise": ex.name, "state": state, "seconds": [],
                                                "cpu_seconds": [], "load_1min": []})
                 case["seconds"].append(round(seconds, 2))
                 case["cpu_seconds"].append(round(cpu_s, 2))

@@ -8,7 +8,6 @@
     distlab reset 1.1       put a TODO region back to its stub (your code is kept in .distlab/reset/)
 
 Modules: ``course`` (exercises, TODO regions, tests, the state file ``.distlab/state.json``),
-``checks`` (pytest for one exercise, its verdict), ``hints``, ``reset``, ``cli`` (the commands),
-``warm`` (a pytest plugin that starts the rank launcher's forkserver while pytest collects).
+``checks`` (pytest for one exercise, its verdict), ``hints``, ``reset``, ``cli`` (the commands).
 ``check --trace DIR`` records every rank of every world the tests start (distlab/trace.py).
 """

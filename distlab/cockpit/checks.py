@@ -7,9 +7,10 @@ none of its tests is left out. If some did not run (a crash, a timeout), the lin
 "partial" and never shows those points as the exercise's.
 
 Where the time goes for a phase-1 check (benchmarks/bench_check.py): starting Python and
-torch in pytest (~2 s), then the rank launcher's forkserver importing torch again (~1-2 s),
-then the tests. The ``warm`` plugin starts that forkserver in a thread while pytest is still
-collecting, so the two imports run on two cores at once.
+torch in pytest and collecting (~2.7 s of CPU), the rank launcher's forkserver importing torch
+again (~2.7 s of CPU, once per check, only where the tests start ranks), then the tests' worlds.
+Starting that forkserver early, while pytest collects, was measured (1.1-1.3 finished, 6 runs
+each way, interleaved, load 4-7): 10.7 s with, 10.7 s without, so the check does not.
 """
 from __future__ import annotations
 
@@ -21,13 +22,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from distlab.cockpit.course import REPO, Exercise, record_check, starts_worlds, test_files
+from distlab.cockpit.course import REPO, Exercise, record_check, test_files
 
 TIMEOUT_S = 600.0  # a whole exercise; a hung test is ended sooner by pytest-timeout (pyproject.toml)
 # distlab.launch.TIE_ENV: pytest (and every rank it starts) dies with this process. Spelled out,
 # not imported: distlab.launch imports torch, ~2 s that `check` would add before pytest even starts.
 TIE_ENV = "DISTLAB_TIE_TO_PID"
-WARM_ENV = "DISTLAB_CHECK_WARM"  # "0": no early forkserver (benchmarks/bench_check.py measures both)
 
 
 def pytest_command(ex: Exercise, root: Path, results: Path, repo: Path = REPO) -> list[str]:
@@ -38,8 +38,6 @@ def pytest_command(ex: Exercise, root: Path, results: Path, repo: Path = REPO) -
     cmd = [sys.executable, "-m", "pytest", *map(str, files), "-q", "-p", "no:cacheprovider",
            "-p", "distlab.bugs", "--impl=templates",
            f"--results-json={results}", f"--rootdir={repo}", "-c", str(repo / "pyproject.toml")]
-    if os.environ.get(WARM_ENV, "1") != "0" and starts_worlds(ex, repo):
-        cmd += ["-p", "distlab.cockpit.warm"]  # not for tests without ranks: a forkserver is ~3 CPU-s for nothing
     if root.resolve() != repo.resolve():
         cmd.append(f"--student-dir={root.resolve()}")  # '=': see distlab/pytest_plugin.py
     return cmd

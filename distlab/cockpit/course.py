@@ -127,18 +127,6 @@ def test_files(ex: Exercise, repo: Path = REPO) -> list[Path]:
     return [p for p in sorted((repo / "tests").glob("test_*.py")) if marker in p.read_text()]
 
 
-def starts_worlds(ex: Exercise, repo: Path = REPO) -> bool:
-    """Whether one of the exercise's tests calls run_distributed itself (a text search of each test
-    function from its ``exercise`` marker to the next top-level statement)."""
-    marker = f'exercise("{ex.name}")'
-    for path in test_files(ex, repo):
-        for chunk in path.read_text().split(marker)[1:]:
-            body = re.split(r"\n(?=@|def |class |[A-Za-z_])", chunk.split("\ndef ", 1)[-1], maxsplit=1)[0]
-            if "run_distributed(" in body:
-                return True
-    return False
-
-
 def learner_root(start: Path | None = None) -> Path:
     """The learner's checkout: the nearest folder above ``start`` (the current one) with grading/weights.toml."""
     here = (start or Path.cwd()).resolve()
