@@ -25,8 +25,8 @@ from pathlib import Path
 from distlab.cockpit.course import REPO, Exercise, record_check, test_files
 
 TIMEOUT_S = 600.0  # a whole exercise; a hung test is ended sooner by pytest-timeout (pyproject.toml)
-# distlab.launch.TIE_ENV: pytest (and every rank it starts) dies with this process. Spelled out,
-# not imported: distlab.launch imports torch, ~2 s that `check` would add before pytest even starts.
+# distlab.procs.TIE_ENV: pytest (and every rank it starts) dies with this process. Spelled out,
+# not imported: distlab.procs imports torch, ~2 s that `check` would add before pytest even starts.
 TIE_ENV = "DISTLAB_TIE_TO_PID"
 
 
@@ -35,8 +35,10 @@ def pytest_command(ex: Exercise, root: Path, results: Path, repo: Path = REPO) -
     if not files:
         raise ValueError(f"no test in {repo / 'tests'} is marked @pytest.mark.exercise({ex.name!r}): "
                          "the exercise's name in grading/weights.toml and in its tests must match")
+    # hypothesis's and pytest-benchmark's plugins load with every pytest here (~1.4 s of imports for
+    # hypothesis alone) and no test of the course uses them.
     cmd = [sys.executable, "-m", "pytest", *map(str, files), "-q", "-p", "no:cacheprovider",
-           "-p", "distlab.bugs", "--impl=templates",
+           "-p", "no:hypothesispytest", "-p", "no:benchmark", "-p", "distlab.bugs", "--impl=templates",
            f"--results-json={results}", f"--rootdir={repo}", "-c", str(repo / "pyproject.toml")]
     if root.resolve() != repo.resolve():
         cmd.append(f"--student-dir={root.resolve()}")  # '=': see distlab/pytest_plugin.py
