@@ -21,7 +21,7 @@ import argparse
 import torch.distributed as dist
 
 from benchmarks.common import comparison, write_result
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 
 WORLD_SIZE = 2
 FP32_BYTES = 4 * 4810  # the uncompressed all-reduce of every parameter

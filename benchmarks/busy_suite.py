@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import machine_info
-from distlab.launch import kill_process_tree, marked_environ
+from distlab.procs import kill_process_tree, marked_environ
 
 REPO = Path(__file__).resolve().parent.parent
 _BURN = "while True: pass"

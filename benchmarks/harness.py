@@ -49,7 +49,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 
 
 class ContenderMismatch(AssertionError):

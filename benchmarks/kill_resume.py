@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from distlab.launch import kill_process_tree, marked_environ
+from distlab.procs import kill_process_tree, marked_environ
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 12  # demos/fault_tolerance.py's default --steps

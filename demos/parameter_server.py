@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from demos.sizes import positive
 from distlab.data import digits
-from distlab.launch import init_from_env, run_distributed, shutdown
+from distlab.launch import init_from_env, shutdown
+from distlab.spawn import run_distributed
 from distlab.loader import load
 from distlab.metrics import format_bytes, format_table, log0
 from distlab.models import ToyMLP, seeded

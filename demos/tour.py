@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from demos.sizes import multiple_of, positive
 from distlab.comm import CommLedger
 from distlab.loader import load
-from distlab.metrics import format_bytes, format_table, log0, tensor_bytes
+from distlab.metrics import format_bytes, format_table, log0, nbytes
 from distlab.todo import run_demo
 
 
@@ -65,7 +65,7 @@ def _state_bytes(params, optimizer: torch.optim.Optimizer | None) -> int:
     params = list(params)
     state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()
                                            if torch.is_tensor(v) and v.dim() > 0]
-    return tensor_bytes(params) + tensor_bytes(p.grad for p in params) + tensor_bytes(state)
+    return nbytes(params) + nbytes(p.grad for p in params) + nbytes(state)
 
 
 class Run:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distlab.metrics import sync_device
+from distlab.metrics import nbytes, sync_device
 
 # op name -> the argument that holds the bytes this rank contributes
 _PAYLOAD_ARG = {
@@ -90,14 +90,6 @@ def _device_of(value) -> torch.device | None:
         if found is not None:
             return found
     return None
-
-
-def _nbytes(value) -> int:
-    if value is None:
-        return 0
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    return sum(_nbytes(v) for v in value)
 
 
 @dataclass(frozen=True)
@@ -240,7 +232,7 @@ class CommLedger:
                 result = original(*args, **kwargs)
                 sync_device(device)  # a CUDA collective returns once it is queued
                 seconds = time.perf_counter() - start
-            self._record(op, _nbytes(payload), bound.arguments.get("group"), seconds, async_op)
+            self._record(op, nbytes(payload), bound.arguments.get("group"), seconds, async_op)
             return result
 
         wrapper.__wrapped_by_ledger__ = original
@@ -251,7 +243,7 @@ class CommLedger:
         def wrapper(p2p_op_list):
             for p in p2p_op_list:
                 name = "isend" if p.op is _unwrap(self._saved["isend"]) else "irecv"
-                self._record(name, _nbytes(p.tensor), p.group, 0.0, True)
+                self._record(name, nbytes(p.tensor), p.group, 0.0, True)
             self._in_batch = True
             try:
                 return original(p2p_op_list)

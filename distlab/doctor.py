@@ -42,10 +42,10 @@ import threading
 import time
 from collections import defaultdict
 
-import torch
 import torch.distributed as dist
 
 from distlab import comm, flight_recorder
+from distlab.metrics import format_bytes, nbytes
 from distlab.todo import HANG_EXIT_CODE
 
 SLOTS, SLOT_BYTES = 64, 256  # the last 64 ops per rank, 16 KiB
@@ -234,7 +234,7 @@ def _wrap(op, arg, original):
         except TypeError:  # let torch raise its own error
             return original(*args, **kwargs)
         async_op = bool(bound.get("async_op", op in ("isend", "irecv")))
-        rec = _RECORDER.begin(op, bound.get("group"), comm._nbytes(bound.get(arg)) if arg else 0,
+        rec = _RECORDER.begin(op, bound.get("group"), nbytes(bound.get(arg)) if arg else 0,
                               _peer(bound) if op in _P2P else None, async_op)
         result = original(*args, **kwargs)
         if not async_op:
@@ -253,28 +253,21 @@ def _wrap_batch(original):
             peer = p.peer
             if peer is None and getattr(p, "group_peer", None) is not None:  # P2POp(..., group_peer=)
                 peer = dist.get_global_rank(p.group or dist.GroupMember.WORLD, p.group_peer)
-            _RECORDER.begin(name, p.group, comm._nbytes(p.tensor), peer, True)
+            _RECORDER.begin(name, p.group, nbytes(p.tensor), peer, True)
         return original(p2p_op_list)
 
     return wrapper
 
 
 # --------------------------------------------------------------------------- diagnosis
-def _size(n: int) -> str:
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n} B"
-
-
 def _name(rec: dict) -> str:
     """``all_reduce #17 (4 KiB) on WORLD``, ``recv #2 from rank 1 (16 B)``."""
     if rec["op"] in _P2P:
         where = f" {'to' if _P2P[rec['op']] == 'send' else 'from'} rank {rec['peer']}"
         group = "" if rec["g"] == "WORLD" else f" on group [{rec['g']}]"
-        return f"{rec['op']} #{rec['seq']}{where} ({_size(rec['n'])}){group}"
+        return f"{rec['op']} #{rec['seq']}{where} ({format_bytes(rec['n'])}){group}"
     group = "WORLD" if rec["g"] == "WORLD" else f"group [{rec['g']}]"
-    return f"{rec['op']} #{rec['seq']} ({_size(rec['n'])}) on {group}"
+    return f"{rec['op']} #{rec['seq']} ({format_bytes(rec['n'])}) on {group}"
 
 
 def _ranks(ranks) -> str:
@@ -371,7 +364,7 @@ def diagnose(records: dict[int, list[dict]], states: dict[int, str], world_size:
                                     f"{_ranks(calls[common])} called {_name(example)} (a skipped or reordered collective)")
         elif rec["op"] not in _NO_SIZE_CHECK and len({r["n"] for r in arrived.values()}) > 1:
             findings.append(f"{rec['op']} #{seq} sizes differ between ranks: "
-                            + ", ".join(f"rank {k} passed {_size(r['n'])}" for k, r in sorted(arrived.items())))
+                            + ", ".join(f"rank {k} passed {format_bytes(r['n'])}" for k, r in sorted(arrived.items())))
     # point to point: a receive nobody sends, a send nobody receives. These come first: a rank
     # stuck in an unmatched send never reaches the collective its peers wait in.
     collective_findings, findings = findings[len(stopped):], stopped
@@ -395,8 +388,8 @@ def diagnose(records: dict[int, list[dict]], states: dict[int, str], world_size:
                     # Told from the receiver's side, the one gloo aborts: what arrived, what it expected.
                     recv, send = (r, match) if kind == "recv" else (match, r)
                     receiver, sender = (rank, peer) if kind == "recv" else (peer, rank)
-                    findings.append(f"rank {receiver} received {_size(send['n'])} from rank {sender}, expected "
-                                    f"{_size(recv['n'])} (its {recv['op']} #{recv['seq']}): sender and receiver "
+                    findings.append(f"rank {receiver} received {format_bytes(send['n'])} from rank {sender}, expected "
+                                    f"{format_bytes(recv['n'])} (its {recv['op']} #{recv['seq']}): sender and receiver "
                                     "disagree on the message size; check the chunk index at that step "
                                     "(off by one?) and the uneven last chunk")
     return findings + collective_findings, table(records, states, now)

@@ -68,7 +68,7 @@ def run_and_reap(cmd: list[str], timeout_s: float) -> int | str:
     through /proc and strays through an environment marker every process of the run inherits.
     Returns the exit code, or "killed after N s".
     """
-    from distlab.launch import kill_process_tree, marked_environ
+    from distlab.procs import kill_process_tree, marked_environ
 
     marker = uuid.uuid4().hex
     proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, env=marked_environ(marker))

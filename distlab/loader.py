@@ -104,9 +104,9 @@ def _exec_guarded(run, rel: str) -> None:
     from distlab.isolation import BenchGuard
 
     guard, before = BenchGuard(), set(sys.modules)
-    from distlab import launch, sandbox
+    from distlab import sandbox, spawn
 
-    if launch._IN_RUN_DISTRIBUTED:  # not a test's child (verdict.py): it may start ranks, which it must be able to end
+    if spawn._IN_RUN_DISTRIBUTED:  # not a test's child (verdict.py): it may start ranks, which it must be able to end
         sandbox.drop_privileges()  # a rank graded as root: the learner's code runs as the unprivileged user
     run()
     changed = guard.restore()
@@ -127,9 +127,9 @@ def load(phase: str, name: str, impl: str | None = None) -> ModuleType:
     """
     explicit = impl is not None
     impl = impl or current_impl()
-    from distlab import launch, verdict
+    from distlab import spawn, verdict
 
-    if impl == "templates" and verdict.PARENT and not verdict.IN_CHILD and not launch._IN_RUN_DISTRIBUTED:
+    if impl == "templates" and verdict.PARENT and not verdict.IN_CHILD and not spawn._IN_RUN_DISTRIBUTED:
         raise RuntimeError("a template loaded in pytest's own process of a graded run: the verdicts must come "
                            "from a process that never ran learner code (see distlab/verdict.py)")
     dotted, rel = module_path(phase, name, impl)

@@ -30,12 +30,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from distlab.metrics import nbytes  # noqa: F401 (the sharded wrappers take it with their meters)
 
-def nbytes(t: torch.Tensor | None) -> int:
-    """Bytes actually held by ``t`` (0 for None or a tensor whose storage was freed)."""
-    if t is None or t.untyped_storage().size() == 0:
-        return 0
-    return t.numel() * t.element_size()
+
 
 
 @dataclass

@@ -197,17 +197,25 @@ def peak_memory_bytes(device: torch.device | None = None) -> int:
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
 
 
-def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes held by a collection of tensors (parameters, gradients, optimizer state)."""
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+def nbytes(value: torch.Tensor | Iterable | None) -> int:
+    """Bytes held by a tensor, or by every tensor of a (nested) collection; None and a freed storage count 0.
+
+    The bench's one byte counter: the ledger's message sizes (``distlab.comm``), the p2p size headers,
+    the sharded wrappers' memory meters and the demos' tables all count with it.
+    """
+    if value is None:
+        return 0
+    if isinstance(value, torch.Tensor):
+        return 0 if value.untyped_storage().size() == 0 else value.numel() * value.element_size()
+    return sum(nbytes(v) for v in value)
 
 
 def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} GiB"
+    """``16 B``, ``4 KiB``, ``1.5 MiB``, ``2.25 GiB``: three significant digits in the largest unit that fits."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{int(n)} B"
 
 
 def format_table(rows: list[dict], columns: list[str] | None = None) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from distlab.meters import nbytes
+from distlab.metrics import nbytes
 
 
 class OffloadedShards:

@@ -63,6 +63,8 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from distlab.metrics import nbytes
+
 STRICT_ENV = "DISTLAB_STRICT_P2P"
 BACKEND_ENV = "DISTLAB_STRICT_P2P_BACKEND"  # simulate this backend in check (d), e.g. "nccl"
 SIZE_CHECK_ENV = "DISTLAB_P2P_SIZE_CHECK"  # "0": no size header on messages (every rank alike)
@@ -654,7 +656,7 @@ def _dtype_code(dtype: torch.dtype) -> int:
 
 def _describe(tensors: list[torch.Tensor]) -> list[int]:
     """``[bytes, dtype code]`` of a message."""
-    return [sum(t.numel() * t.element_size() for t in tensors), _dtype_code(tensors[0].dtype) if tensors else 0]
+    return [nbytes(tensors), _dtype_code(tensors[0].dtype) if tensors else 0]
 
 
 for _dtype in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}:

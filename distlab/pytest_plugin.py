@@ -65,9 +65,9 @@ def pytest_configure(config):
     else:
         os.environ.pop(STUDENT_DIR_ENV, None)
     # Every torchrun agent and worker a test starts dies with this pytest, even when pytest is
-    # SIGKILLed or ended by pytest-timeout's thread method (os._exit): see distlab.launch.tie_to.
+    # SIGKILLed or ended by pytest-timeout's thread method (os._exit): see distlab.procs.tie_to.
     # A pytest run by a test (the template checks) dies with the outer one, then ties its own jobs.
-    from distlab.launch import TIE_ENV, tie_to
+    from distlab.procs import TIE_ENV, tie_to
 
     tie_to(os.environ.get(TIE_ENV))
     os.environ[TIE_ENV] = str(os.getpid())
@@ -95,7 +95,7 @@ def _isolate_graded_run() -> None:
     if os.environ.get(sandbox.RANK_USER_ENV) and os.geteuid() == 0:
         from multiprocessing import forkserver
 
-        from distlab.launch import _context
+        from distlab.spawn import _context
 
         reference = [f"solutions.{p.parent.name}.{p.stem}" for p in sorted(REPO.glob("solutions/phase*/*.py"))
                      if p.stem != "__init__"]

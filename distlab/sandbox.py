@@ -2,7 +2,7 @@
 
 The static rules (distlab/isolation.py) read a template before it runs; this is the layer
 behind them, in every rank of a graded run (``--impl templates``), installed by the launcher
-at rank start (distlab/launch.py ``_child``), before the test module loads the template:
+at rank start (distlab/spawn.py ``_child``), before the test module loads the template:
 
 * a Python audit hook (PEP 578, ``sys.addaudithook``: it cannot be removed) refuses, while the
   learner's code is on the stack, to open the reference solutions, the tests or the grading

@@ -112,7 +112,7 @@ def start_rank(rank: int, world_size: int, merge_when_done: bool = False) -> Non
     if not folder or _ACTIVE is not None:
         return
     # One world: torchrun's job id and attempt (an elastic restart is a new world), or the launcher's
-    # per-world marker (distlab.launch.RUN_MARKER_ENV).
+    # per-world marker (distlab.procs.RUN_MARKER_ENV).
     world = os.environ.get("DISTLAB_RUN_ID", "").rsplit(":", 1)[-1] or f"pid{os.getpid()}"
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         world = f"{os.environ['TORCHELASTIC_RUN_ID']}.attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"

@@ -1,7 +1,7 @@
 """In a graded run, each graded test's body runs in a forked child; pytest's process only reads its outcome.
 
 The learner's code is loaded where the test body runs. Tests whose ranks load it already keep it
-out of pytest's process (distlab/launch.py), but single-process tests (the sampler, the checkpoint
+out of pytest's process (distlab/spawn.py), but single-process tests (the sampler, the checkpoint
 file format, ...) would load it into pytest itself: a patch made there would outlive the test and
 reach every exercise graded after it, and the verdicts would be written by a process that ran the
 learner's code. Here the body runs in a child forked for the test (fixtures were set up by pytest
@@ -54,7 +54,7 @@ def run_in_child(item) -> None:
     """Run ``item``'s test function in a forked child and raise (or return) as it did."""
     from multiprocessing import forkserver, resource_tracker
 
-    from distlab.launch import _context
+    from distlab.spawn import _context
 
     _context()
     forkserver.ensure_running()  # once, in the parent: every test's ranks then come from it

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from benchmarks import harness
 from benchmarks import run as bench_run
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 
 
 @pytest.mark.parametrize("topic", bench_run.topics())

@@ -69,7 +69,7 @@ def _worker_forgotten_division(rank, world_size, source):
 
 def test_a_forgotten_division_is_named_as_a_factor():
     # The message the learner sees for the classic bug: the factor and its likely cause.
-    from distlab.launch import run_distributed
+    from distlab.spawn import run_distributed
 
     (bug,) = [b for b in bugs.catalogue() if b.id == "1.7-never-divided"]
     messages = run_distributed(_worker_forgotten_division, 2, bug.mutated())

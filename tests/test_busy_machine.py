@@ -21,7 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distlab.launch import kill_process_tree, run_distributed
+from distlab.procs import kill_process_tree
+from distlab.spawn import run_distributed
 from distlab.todo import LearnerTODO, todo
 
 _BURN = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 from distlab.loader import load
 
 TINY = ["--model", "vit_tiny", "--image-size", "8", "--global-batch", "16", "--max-steps", "6",

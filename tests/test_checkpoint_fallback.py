@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from distlab import load
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 
 PHASE = "phase4_production"
 

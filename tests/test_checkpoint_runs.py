@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from distlab import load, resume
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 
 PHASE = "phase4_production"
 REPO = Path(__file__).resolve().parent.parent

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distlab.launch import BoundTCPStore, free_port
+from distlab.devices import free_port
+from distlab.launch import BoundTCPStore
 
 REPO = Path(__file__).resolve().parent.parent
 TERRAFORM = REPO / "deploy" / "terraform" / "aws"

@@ -177,6 +177,6 @@ def test_a_partial_run_is_never_shown_as_the_exercise_score():
 
 
 def test_check_ties_pytest_to_the_cockpit():
-    from distlab.launch import TIE_ENV
+    from distlab.procs import TIE_ENV
 
     assert checks.TIE_ENV == TIE_ENV

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distlab.launch import _marked, free_port, kill_process_tree, loopback_interface, marked_environ
+from distlab.devices import free_port, loopback_interface
+from distlab.procs import _marked, kill_process_tree, marked_environ
 from test_hygiene import _listening, _loopback
 
 REPO = Path(__file__).resolve().parent.parent

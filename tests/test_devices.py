@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from distlab.comm import _LedgerP2POp
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -535,7 +535,7 @@ def test_device_audit_refuses_what_cuda_refuses_and_nothing_else():
 
 
 def test_resolve_device_and_backend(monkeypatch):
-    from distlab.launch import DEVICE_ENV, resolve_backend, resolve_device
+    from distlab.devices import DEVICE_ENV, resolve_backend, resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from distlab import LearnerTODO
 from distlab.comm import CommLedger, all_gather_single, reduce_scatter_single
-from distlab.launch import RankError, run_distributed
+from distlab.spawn import RankError, run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -82,7 +82,7 @@ def test_one_rank_raising_makes_the_parent_raise_quickly(tmp_path):
     assert str(info.value) == "rank 1: bad shard size 7"  # the rank once, no launcher text
     shown = info.value.rank_traceback  # what the pytest plugin prints under the message
     assert shown.startswith("--- in rank 1 ---") and "_worker_one_raises" in shown
-    assert "launch.py" not in shown and "ValueError: bad shard size 7" not in shown, shown
+    assert "spawn.py" not in shown and "ValueError: bad shard size 7" not in shown, shown
     pids = [int(p.read_text()) for p in tmp_path.iterdir()]
     assert len(pids) == 3 and all(_pid_gone(p) for p in pids), "a rank survived another's failure"
 
@@ -370,7 +370,9 @@ def test_metrics_and_plots(tmp_path):
     tp.record(10, 5.0)
     tp.record(10, 0.5)
     assert tp.samples_per_s == 20
-    assert format_bytes(3 * 1024 * 1024) == "3.0 MiB"
+    # One formatter for the demos' tables and the doctor's messages ("all_reduce #3 (16 B)").
+    assert [format_bytes(n) for n in (16, 4096, 3 << 20, 1536 << 10, 9 << 30)] == \
+        ["16 B", "4 KiB", "3 MiB", "1.5 MiB", "9 GiB"]
     assert format_table([{"a": 1, "bb": "x"}]).splitlines()[0].split() == ["a", "bb"]
     paths = [plot_loss_curves({"a": [3, 2, 1]}, tmp_path / "l.png"),
              plot_timeline([(0, 0.0, 1.0, "F", "0"), (1, 0.5, 2.0, "B", "0")], tmp_path / "t.png"),
@@ -491,3 +493,14 @@ def test_ranks_follow_the_launchers_torch_distributed_debug_not_the_forkservers(
     assert run_distributed(_worker_debug_level, 2) == ["DebugLevel.DETAIL"] * 2
     monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG")
     assert run_distributed(_worker_debug_level, 2) == ["DebugLevel.OFF"] * 2
+
+
+def test_nbytes_counts_tensors_collections_and_freed_storage():
+    """The bench's one byte counter: what the ledger, the p2p size headers and the memory meters count."""
+    from distlab.metrics import nbytes
+
+    a, b = torch.zeros(3, dtype=torch.float64), torch.zeros(5, dtype=torch.float16)
+    assert nbytes(a) == 24 and nbytes([a, (b, None)]) == 34 and nbytes(None) == 0
+    freed = torch.zeros(4)
+    freed.untyped_storage().resize_(0)  # ZeRO-3 frees a gathered unit's storage this way
+    assert nbytes(freed) == 0 and nbytes([a, freed]) == 24

@@ -190,7 +190,7 @@ def _worker_mismatched_allreduce(rank, world_size):
 
 def test_torch_distributed_debug_detail_catches_the_mismatch_the_guide_shows(monkeypatch):
     """docs/troubleshooting.md quotes this failure: keep the quote true."""
-    from distlab.launch import run_distributed
+    from distlab.spawn import run_distributed
 
     monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
     with pytest.raises(RuntimeError) as info:

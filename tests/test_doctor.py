@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distlab import doctor, flight_recorder
 from distlab.comm import CommLedger
 from distlab.doctor import HangError, diagnose
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 
 
 def _worker_skips_a_collective(rank, world_size):

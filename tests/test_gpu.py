@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 from distlab.loader import load
 
 pytestmark = pytest.mark.gpu
@@ -148,6 +148,7 @@ def test_nccl_ddp_and_zero_steps_match_the_single_process(world_size):
 LARGEST = max(w for w in (1, 2, 3, 4, 6, 12) if w <= max(GPUS, 1))
 
 
+@pytest.mark.timeout(420)  # two worlds of up to 180 s each (NCCL's start on many GPUs), then the report
 @pytest.mark.parametrize("impl", ["overlap", "bucketed"])
 def test_nccl_ddp_workers_match_single_process_and_torch_ddp(impl):
     from test_phase3_ddp_zero import _worker_ddp_kinds
@@ -155,7 +156,7 @@ def test_nccl_ddp_workers_match_single_process_and_torch_ddp(impl):
     if GPUS == 0:
         pytest.skip("needs 1 CUDA device")
     for kinds, buckets in ((["mlp"], [1, 3]), (["tied_frozen"], [1])):  # the bucket caps are ToyMLP's
-        run_distributed(_worker_ddp_kinds, LARGEST, impl, kinds, buckets, False, "cuda", backend=NCCL, timeout_s=300)
+        run_distributed(_worker_ddp_kinds, LARGEST, impl, kinds, buckets, False, "cuda", backend=NCCL, timeout_s=180)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -164,7 +165,7 @@ def test_nccl_zero_workers_match_single_process(stage):
 
     if GPUS == 0:
         pytest.skip("needs 1 CUDA device")
-    run_distributed(_worker_zero, LARGEST, stage, "cuda", backend=NCCL, timeout_s=300)
+    run_distributed(_worker_zero, LARGEST, stage, "cuda", backend=NCCL, timeout_s=240)
 
 
 # Tensor parallel, pipeline, ring and Ulysses attention, MoE: their tests' workers with "cuda", at the
@@ -188,7 +189,7 @@ def test_nccl_model_parallel_workers_match_single_process(strategy):
         pytest.skip("needs 1 CUDA device")
     module, worker, args = WORKERS[strategy]
     run_distributed(getattr(importlib.import_module(module), worker), MODEL_PARALLEL, *args, "cuda",
-                    backend=NCCL, timeout_s=300)
+                    backend=NCCL, timeout_s=240)
 
 
 def _worker_every_mode(rank, world_size, runs):

@@ -45,12 +45,12 @@ def _exits(rank, world_size):
 
 @pytest.mark.exercise("9.5 keyboard interrupt in a rank")
 def test_keyboard_interrupt_in_a_rank():
-    from distlab.launch import run_distributed
+    from distlab.spawn import run_distributed
     run_distributed(_interrupted, 2, timeout_s=30)
 
 @pytest.mark.exercise("9.6 system exit in a rank")
 def test_system_exit_in_a_rank():
-    from distlab.launch import run_distributed
+    from distlab.spawn import run_distributed
     run_distributed(_exits, 2, timeout_s=30)
 '''
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from distlab import load, p2p
 from distlab.host_sync import HostSyncMeter
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 from distlab.metrics import Timeline, device_clock
 from distlab.models import ToyMLP, seeded
 from distlab.testing import shard

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from distlab import grade
-from distlab.launch import _alive, _descendants, _marked, kill_process_tree, marked_environ
+from distlab.procs import _alive, _descendants, _marked, kill_process_tree, marked_environ
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -63,7 +63,7 @@ def _worker_hangs_with_a_helper(rank, world_size, pid_dir, stop=False):
 
 
 def _launcher(pid_dir: str, stop: str = "") -> None:
-    from distlab.launch import run_distributed
+    from distlab.spawn import run_distributed
 
     # pytest's timeout is 300 s: the test kills this launcher long before its own deadline
     run_distributed(_worker_hangs_with_a_helper, 2, pid_dir, bool(stop), timeout_s=250, hang_s=0)
@@ -195,7 +195,7 @@ while True:  # training for a long time; the pause keeps 2 jobs of 2 workers fro
 # entrypoint.sh does when its output is filtered), with the pytest plugin's TIE_ENV naming itself.
 _OUTER = """
 import os, subprocess, sys, time
-from distlab.launch import TIE_ENV
+from distlab.procs import TIE_ENV
 os.environ[TIE_ENV] = str(os.getpid())
 cmd = f"{sys.executable} -m distlab.launch --standalone --nnodes=1 --nproc_per_node=2 {sys.argv[1]}; echo done"
 subprocess.Popen(["bash", "-c", cmd], stdout=sys.stdout, stderr=subprocess.STDOUT)
@@ -211,8 +211,8 @@ def test_torchrun_workers_die_with_a_sigkilled_agent_and_jobs_with_a_sigkilled_p
     """(1) SIGKILL to the torchrun agent: its workers, which it can no longer stop, die with it
     (init_from_env arms the parent-death signal). (2) SIGKILL to a test's pytest (or pytest-timeout's
     thread method, which ends it with os._exit): the agent below the shell below it dies too
-    (distlab.launch.tie_to, armed by the pytest plugin), then its workers. The jobs run at once."""
-    from distlab.launch import TIE_ENV
+    (distlab.procs.tie_to, armed by the pytest plugin), then its workers. The jobs run at once."""
+    from distlab.procs import TIE_ENV
 
     assert os.environ.get(TIE_ENV) == str(os.getpid()), "the pytest plugin ties the jobs of tests to pytest"
     script = tmp_path / "train.py"
@@ -276,7 +276,7 @@ def _worker_starts_a_helper(rank, world_size):
 
 
 def test_helpers_a_rank_started_end_with_the_rank():
-    from distlab.launch import run_distributed
+    from distlab.spawn import run_distributed
 
     pids = run_distributed(_worker_starts_a_helper, 2)
     _all_gone(pids, timeout_s=5)

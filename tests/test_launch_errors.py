@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from distlab.launch import free_port, init_from_env, kill_process_tree, marked_environ, socket_ifname_problem
+from distlab.devices import free_port
+from distlab.launch import init_from_env, socket_ifname_problem
+from distlab.procs import kill_process_tree, marked_environ
 
 REPO = Path(__file__).resolve().parent.parent
 ENTRYPOINT = REPO / "entrypoint.sh"

@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from distlab.launch import kill_process_tree, marked_environ, run_distributed
+from distlab.procs import kill_process_tree, marked_environ
+from distlab.spawn import run_distributed
 from distlab.loader import load
 
 REPO = Path(__file__).resolve().parent.parent

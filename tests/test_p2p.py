@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from distlab import p2p
 from distlab.comm import CommLedger
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 
 
 def _seeded(rank: int, step: int, n: int = 5, dtype=torch.float32) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torch.utils.data import DistributedSampler as TorchDistributedSampler
 from distlab import load
 from distlab import p2p
 from distlab.comm import CommLedger
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 from distlab.models import TiedFrozenModel, TinyCNN, ToyMLP, seeded
 from distlab.testing import (assert_grads_close, assert_models_close, assert_ranks_identical, assert_tensors_close,
                              reference_prerequisites, shard)

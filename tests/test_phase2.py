@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from distlab import load
 from distlab.comm import CommLedger
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 from distlab.models import GPTConfig, TiedFrozenModel, TinyGPT, ToyMLP, seeded
 from distlab.testing import assert_grads_close, assert_models_close, assert_ranks_identical, assert_tensors_close, shard
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from distlab import load, p2p
 from distlab.comm import CommLedger
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 from distlab.models import MLP, Block, CausalSelfAttention, GPTConfig, TinyGPT, seeded
 from distlab.testing import assert_tensors_close, explain_group_errors
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from distlab import load
 from distlab import p2p
 from distlab.comm import CommLedger
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 from distlab.models import ToyMLP, seeded
 from distlab.testing import assert_models_close, assert_tensors_close, shard
 from distlab.todo import LearnerTODO

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from distlab import load
 from distlab.comm import CommLedger, all_gather_single
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 from distlab.models import TiedFrozenModel, ToyMLP, seeded
 from distlab.testing import (assert_grads_close, assert_models_close, assert_ranks_identical,
                              assert_tensors_close, max_abs_diff, shard)

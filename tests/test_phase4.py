@@ -31,7 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distlab import load
-from distlab.launch import kill_process_tree, marked_environ, run_distributed
+from distlab.procs import kill_process_tree, marked_environ
+from distlab.spawn import run_distributed
 from distlab.testing import assert_tensors_close, reference_prerequisites
 from distlab.todo import LearnerTODO
 
@@ -871,7 +872,7 @@ def test_node_loss_shrinks_the_job_like_resuming_on_fewer_ranks(tmp_path):
     from that checkpoint to the end. Both must end bitwise equal (same data order, same
     RNG streams remapped to the new world size, same single-rank sums).
     """
-    from distlab.launch import free_port
+    from distlab.devices import free_port
 
     ft = _ft()
     base = ft.RunConfig(steps=14, ckpt_dir=str(tmp_path / "baseline"))

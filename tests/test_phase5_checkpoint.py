@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from distlab import load
 from distlab.comm import CommLedger
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 from distlab.models import seeded
 from distlab.testing import max_abs_diff, shard
 

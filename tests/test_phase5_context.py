@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from distlab import load
 from distlab.comm import CommLedger
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 from distlab.testing import assert_tensors_close
 
 PHASE = "phase5_large_models"

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from distlab import load
 from distlab.comm import CommLedger
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 from distlab.testing import assert_tensors_close
 
 PHASE = "phase5_large_models"

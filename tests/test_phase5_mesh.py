@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from distlab import load
 from distlab.comm import CommLedger
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 from distlab.models import GPTConfig, TinyGPT, seeded
 from distlab.testing import assert_tensors_close, max_abs_diff, shard
 

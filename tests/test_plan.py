@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from demos.tour import MoEMLP, RingSelfAttention
 from distlab import load, plan
 from distlab.comm import CommLedger
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 from distlab.models import GPTConfig, TinyGPT, seeded
 from distlab.sync import allreduce_gradients
 

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distlab import load
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 from distlab.models import seeded
 from distlab.testing import shard
 

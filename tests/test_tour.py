@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 
 
 def _worker_tour(rank, world_size, out_dir):

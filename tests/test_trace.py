@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from distlab import load, trace
 from distlab.comm import CommLedger
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
 

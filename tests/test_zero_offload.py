@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distlab import load
-from distlab.launch import run_distributed
+from distlab.spawn import run_distributed
 from distlab.models import ToyMLP, seeded
 from distlab.testing import assert_models_close, shard
 from distlab.zero_config import load_zero_config, parse_zero_config

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distlab.launch import die_with_parent
+from distlab.procs import die_with_parent
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "sinfo", "scontrol", "scancel", "srun")

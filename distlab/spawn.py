@@ -1,0 +1,462 @@
+"""``run_distributed``: a world of fresh local ranks for tests and demos.
+
+``run_distributed(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in
+``world_size`` fresh processes and returns their results in rank order. It is the
+one launcher every test and demo uses, and it keeps the promises a course needs:
+
+* fast: processes come from a forkserver that has already imported torch, so a
+  2-rank world starts in well under a second after the first (never plain fork
+  after torch has run ops: its thread pools do not survive a fork);
+* no fixed port: ranks meet on a FileStore in a fresh temporary directory, so
+  parallel runs never collide;
+* fails fast: the process group gets a short timeout, so a ``recv`` without a
+  matching ``send`` raises in seconds; the first rank that raises makes the parent
+  raise at once, with the rank in the message and the remote traceback attached;
+  a learner's unfinished TODO comes back as one line;
+* leaves nothing behind: every rank is terminated (then killed) in ``finally``,
+  with the processes it started; a rank dies with its launcher, even one killed by
+  SIGKILL (a thread watching the launcher's pipe; the kernel's parent-death signal wakes
+  a stopped rank), and so do the helper processes it started, in any session
+  (``distlab.procs``);
+* says who hangs: every rank records its last communication ops (``distlab.doctor``);
+  when no rank has made progress for ``hang_s`` seconds (``doctor.Progress``: a slow
+  rank on a busy machine is progress), or on a timeout or a crash, the
+  records are merged into one table that names the rank that never arrived and the op
+  the others wait in ("rank 1 never entered all_reduce #3 (16 B) on WORLD ..."); PyTorch's
+  flight recorder fills in the collectives torch issues itself (DDP's all-reduces).
+
+Inside a test, a learner's ``dist.all_reduce`` runs wrapped: the hang doctor records each op
+(``distlab.doctor``), a ``CommLedger`` counts its bytes where the test opens one
+(``distlab.comm``), and a send or receive also goes through the strict point-to-point checker
+(``distlab.p2p``). The wrappers call torch's function unchanged; they only watch.
+
+Workers never read the environment; ``distlab.launch.init_from_env`` is the torchrun-side twin.
+"""
+from __future__ import annotations
+
+import atexit
+import builtins
+import multiprocessing as mp
+import os
+import pickle
+import re
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from datetime import timedelta
+from multiprocessing.connection import wait
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from distlab import doctor, p2p, sandbox, trace
+from distlab.devices import loopback_interface, resolve_backend
+from distlab.procs import (_PR_SET_CHILD_SUBREAPER, _PR_SET_PDEATHSIG, RUN_MARKER_ENV, _descendants, _prctl,
+                           kill_process_tree, marked_environ)
+from distlab.todo import LearnerTODO
+
+_CTX = None
+_IN_RUN_DISTRIBUTED = False  # True inside a rank started by run_distributed
+
+
+def _context():
+    # One forkserver per parent process, with torch imported once (~2 s) so that
+    # every later rank starts in tens of milliseconds. Also preloaded: what the first
+    # optimizer (torch._dynamo, ~0.7 s) and the first assert_close (DTensor, ~0.6 s)
+    # would otherwise import again in every rank of every test.
+    global _CTX
+    if _CTX is None:
+        atexit.register(_stop_helpers)
+        _CTX = mp.get_context("forkserver")
+        # The bench's own modules and pytest (which every test module imports in every rank)
+        # too: ~0.1 s per rank per test otherwise, a minute over the suite.
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.optim",
+                                     "torch.testing", "torch.distributed.tensor", "distlab.spawn",
+                                     "pytest", "distlab.testing", "distlab.loader", "distlab.comm",
+                                     "distlab.models", "distlab.sync", "distlab.p2p", "distlab.doctor"])
+    return _CTX
+
+
+def _stop_helpers() -> None:
+    # The forkserver and multiprocessing's resource tracker would otherwise outlive this
+    # process by a moment and, where nothing reaps orphans (a container's PID 1), stay
+    # behind as zombies. Stop and reap them ourselves (private but stable since 3.8).
+    from multiprocessing import forkserver, resource_tracker
+
+    for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
+        try:
+            helper._stop()
+        except Exception:
+            pass
+
+
+def _die_with_launcher(alive, marker: str) -> None:
+    """In a rank: die when the launching process does, whatever killed it."""
+    # A stopped rank (SIGSTOP, a debugger) could not notice anything: the kernel sends it SIGCONT
+    # when its parent (the forkserver, which exits with the launcher) dies. Not SIGKILL: the
+    # watch below must first kill the helpers this world started, which would otherwise be
+    # orphaned. As a subreaper the rank also inherits its own orphaned descendants.
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGCONT)
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+    def watch() -> None:  # the launcher holds the other end: EOF means it is gone (or done with us)
+        try:
+            alive.recv_bytes()
+        except (EOFError, OSError):
+            pass
+        kill_process_tree(marker=marker)  # helpers this world started, in any session
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="distlab-launcher-watch", daemon=True).start()
+
+
+def _drop_forkserver_alive_fd() -> None:
+    """In a rank: close the write end of the forkserver's "alive" pipe, which every forkserver child inherits.
+
+    The forkserver exits when that pipe has no writer left. A rank that held it (one stopped by
+    SIGSTOP) kept its parent, the forkserver, alive after the launcher was SIGKILLed, so the
+    parent-death signal that wakes the rank never came: 3 processes left for good. A rank that
+    starts processes of its own gets a forkserver of its own (this one's pid is unknown here).
+    """
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if server._forkserver_pid is None and server._forkserver_alive_fd is not None:
+        try:
+            os.close(server._forkserver_alive_fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
+
+
+def _child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s, env, conn, alive=None,
+           doctor_path=None):
+    # The forkserver was started with the environment of an earlier moment; use
+    # the launching process's environment as it is now (DISTLAB_IMPL, ...).
+    global _IN_RUN_DISTRIBUTED
+    _IN_RUN_DISTRIBUTED = True
+    os.environ.clear()
+    os.environ.update(env)
+    # torch read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it: follow the launcher's now
+    # (a forkserver started under DETAIL kept wrapping every later run's groups; DDP then crashed).
+    dist.set_debug_level_from_env()
+    sandbox.enter_rank(store_path, doctor_path)  # a graded run: the audit hook is in before learner code loads
+    if alive is not None:
+        _drop_forkserver_alive_fd()
+        _die_with_launcher(alive, env[RUN_MARKER_ENV].rsplit(":", 1)[-1])
+    if doctor_path:
+        # The doctor reads the last 64 ops; a dump of torch's default 2000 entries takes ~25 ms.
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "256")
+        doctor.install(rank, doctor_path)
+    loopback = loopback_interface()
+    if loopback and "GLOO_SOCKET_IFNAME" not in env:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback  # local worlds talk over loopback only
+    # world_size processes share the cores: one intra-op pool each would oversubscribe.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    message: tuple
+    try:
+        if "nccl" in backend:  # "nccl" or a device map such as "cpu:gloo,cuda:nccl": one GPU per rank
+            torch.cuda.set_device(rank)
+        store = dist.FileStore(store_path, world_size)
+        try:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=pg_timeout_s))
+        except Exception as exc:  # before any of the caller's code ran: see run_distributed's retry
+            raise InitError(f"process group initialisation failed: {exc}") from exc
+        p2p.enable_size_check()  # a message shorter than its receive buffer raises (DISTLAB_P2P_SIZE_CHECK=0: off)
+        trace.start_rank(rank, world_size)  # DISTLAB_TRACE=DIR: this rank's communication over time (distlab/trace.py)
+        result = fn(rank, world_size, *args, **kwargs)
+        p2p.flush_size_checks()  # headers still in flight (CUDA's deferred check) are read before "ok"
+        message = ("ok", result)
+    except BaseException as exc:  # reported to the parent, never swallowed
+        message = ("error", type(exc).__module__, type(exc).__qualname__, str(exc),
+                   traceback.format_exc(), isinstance(exc, LearnerTODO))
+    trace.finish_rank()  # before the sandbox's check: the ledger's patches of torch.distributed are gone
+    message = sandbox.leave_rank(message)  # a refused action or a patched verdict function fails the rank
+    doctor.write_flight_recorder()  # where this rank stopped, before the launcher reads it
+    try:
+        # Plain pickle, not the Pipe's: torch's multiprocessing pickler would pass tensors
+        # as shared-memory handles, which die with this process before the parent reads them.
+        payload = pickle.dumps(message)
+    except Exception as exc:  # e.g. an unpicklable result
+        payload = pickle.dumps(("error", "builtins", "RuntimeError", f"could not send the result back: {exc}",
+                                traceback.format_exc(), False))
+    # Helpers this rank started (it is their subreaper) end before the result goes out: once the
+    # launcher has every result it terminates the ranks, and their helpers would be orphaned.
+    for pid in _descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        conn.send_bytes(payload)
+    finally:
+        conn.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RankError(RuntimeError):
+    """A rank failed with an exception whose type could not be rebuilt in the parent."""
+
+
+_BENCH_FRAMES = tuple(f"{os.sep}distlab{os.sep}{name}" for name in ("spawn.py", "procs.py", "testing.py"))
+
+
+def _learner_frames(tb: str, qualname: str, msg: str) -> str:
+    """The rank's traceback without the bench's frames (launcher, assertion helpers) and
+    without the final exception line, which the message above it already shows."""
+    first = msg.splitlines()[0] if msg.strip() else ""
+    cut = tb.rfind(f"{qualname}: {first}") if first else -1
+    if cut > 0:
+        tb = tb[:cut]
+    keep = [block for block in re.split(r"(?m)^(?=  File )", tb)
+            if not (block.startswith("  File ") and any(f in block.split("\n")[0] for f in _BENCH_FRAMES))]
+    return "".join(keep).rstrip()
+
+
+def _rebuild(rank: int, module: str, qualname: str, msg: str, tb: str, is_todo: bool) -> BaseException:
+    # The rank leads the message once: test messages that already start with it keep theirs.
+    lead = "" if re.match(rf"rank {rank}\b", msg) else f"rank {rank}: "
+    if is_todo:
+        # One line: the learner needs the TODO and the guideline section, not a traceback.
+        return LearnerTODO(f"{lead}{msg}")
+    text = f"{lead}{msg if msg.strip() else qualname.rsplit('.', 1)[-1] + ' (no message)'}"
+    exc_type = getattr(builtins, qualname, None) if module == "builtins" else None
+    exc = None
+    if isinstance(exc_type, type) and issubclass(exc_type, Exception):
+        try:
+            exc = exc_type(text)
+        except Exception:
+            pass
+    if exc is None:
+        exc = RankError(f"{module}.{qualname}: {text}")
+    # Shown by distlab.pytest_plugin under the one-line message, instead of the launcher's frames.
+    exc.rank_traceback = f"--- in rank {rank} ---\n{_learner_frames(tb, qualname.rsplit('.', 1)[-1], msg)}"
+    return exc
+
+
+# Errors that are usually a consequence of another rank failing first.
+_SECONDARY = ("connection", "closed", "reset", "broken pipe", "timed out", "timeout", "peer")
+
+
+class InitError(RuntimeError):
+    """A rank could not join the process group (gloo's mesh set-up), before the caller's code ran."""
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
+    try:
+        return _run_distributed_once(fn, world_size, *args, **kwargs)
+    except RankError as exc:
+        # Only a failure inside init_process_group, before ``fn`` ran in any rank: with worlds
+        # made and torn down many times a second, gloo's mesh set-up on loopback was seen to
+        # fail once in a few hundred worlds ("connectFullMesh ... Connection closed by peer").
+        # Nothing of the caller's has run, so one fresh world (new store, new ports) is safe.
+        if "distlab.spawn.InitError" not in str(exc):
+            raise
+        return _run_distributed_once(fn, world_size, *args, **kwargs)
+
+
+def _run_distributed_once(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "auto",
+                    timeout_s: float = 60.0, pg_timeout_s: float | None = None, hang_s: float | None = None,
+                    **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` fresh ranks.
+
+    Args:
+        fn: a module-level function (it is pickled to the ranks).
+        world_size: number of ranks, >= 1.
+        backend: "gloo", "nccl", "cpu:gloo,cuda:nccl" or "auto" (gloo: the workers' tensors
+            are on the CPU unless they choose otherwise); with NCCL, rank r uses ``cuda:r``.
+        timeout_s: the whole run's deadline; ranks still running then are killed
+            and ``TimeoutError`` names them (with the hang doctor's table).
+        pg_timeout_s: the process group's timeout, after which a collective or
+            recv without a peer raises inside the rank (default: ``timeout_s``: a rank
+            that waits for a peer still running its own code, slowly on a busy machine,
+            is not failed before the run's deadline; true hangs are named sooner by the
+            doctor's watch, below).
+        hang_s: when no unfinished rank has made progress for this long (none runnable,
+            none using CPU on its main thread, no new communication op: ``doctor.Progress``)
+            and the ranks' records name a culprit, raise ``HangError`` with the doctor's
+            table at once (default: 5 s; 0 turns the doctor's watch off).
+
+    Returns:
+        The ranks' return values, in rank order.
+
+    Raises:
+        The first failing rank's exception (same type where it is a built-in one,
+        ``LearnerTODO`` for unfinished template code, ``RankError`` otherwise),
+        with the rank and its traceback in the message; ``distlab.doctor.HangError``
+        (a ``RuntimeError``) for a diagnosed hang or mismatched collective.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    backend = resolve_backend(backend, world_size)
+    if pg_timeout_s is None:
+        pg_timeout_s = max(2.0, timeout_s)
+    if hang_s is None:
+        hang_s = min(5.0, pg_timeout_s / 2)  # a hang is named in seconds, a blocked rank's own timeout is later
+    ctx = _context()
+    tmpdir = tempfile.mkdtemp(prefix="distlab-")
+    store_path = os.path.join(tmpdir, "store")
+    procs, readers, alive = [], [], []
+    marker = uuid.uuid4().hex
+    env = marked_environ(marker)
+    doctor_paths = [os.path.join(tmpdir, f"doctor.{rank}") for rank in range(world_size)]
+    failed = False
+    try:
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            alive_r, alive_w = ctx.Pipe(duplex=False)  # we never write: the rank sees EOF when we are gone
+            p = ctx.Process(target=_child, name=f"rank{rank}", daemon=True,
+                            args=(fn, rank, world_size, args, kwargs, backend, store_path,
+                                  pg_timeout_s, env, writer, alive_r, doctor_paths[rank]))
+            p.start()
+            writer.close()
+            alive_r.close()
+            procs.append(p)
+            readers.append(reader)
+            alive.append(alive_w)
+        return _collect(procs, readers, timeout_s, _Watch(procs, doctor_paths, hang_s))
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                if p.pid and doctor.thread_stat(p.pid)[0] in ("T", "t"):  # stopped: SIGTERM waits for SIGCONT
+                    p.kill()
+        for p in procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for c in readers + alive:
+            c.close()
+        if failed:  # helpers a rank started that outlived it (the normal path reaps them in the rank)
+            kill_process_tree(marker=marker)
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+
+run_distributed.__doc__ = _run_distributed_once.__doc__
+
+class _Watch:
+    """The parent's side of the hang doctor: ranks' idleness, their records, the diagnosis."""
+
+    def __init__(self, procs, paths, hang_s: float) -> None:
+        self.procs, self.paths, self.hang_s = procs, paths, hang_s
+        now = time.monotonic()
+        self.busy_at = [now] * len(procs)  # when each rank last made progress (doctor.Progress)
+        self.progress = [doctor.Progress(p.pid) for p in procs]
+
+    def states(self, finished: dict[int, str]) -> dict[int, str]:
+        out = dict(finished)
+        for rank, p in enumerate(self.procs):
+            if rank not in out and p.pid and doctor.thread_stat(p.pid)[0] in ("T", "t"):
+                out[rank] = "stopped (SIGSTOP?)"
+        return out
+
+    def records(self) -> dict[int, list[dict]]:
+        return {rank: doctor.read_records(path) for rank, path in enumerate(self.paths)}
+
+    def hung(self, pending: set[int], finished: dict[int, str]) -> BaseException | None:
+        """A HangError when no pending rank has made progress for ``hang_s`` and the records name a culprit.
+
+        Progress, not CPU share: on a busy machine a rank running its own code may get a few
+        percent of a core, and it is not hung (it is runnable, state R, or its main thread's CPU
+        time moved); a rank blocked in a collective sleeps with its main thread's CPU time still.
+        """
+        if self.hang_s <= 0:
+            return None
+        now, records = time.monotonic(), self.records()
+        for rank in pending:
+            last = records[rank][-1]["i"] if records[rank] else -1
+            if self.progress[rank].moved(last):
+                self.busy_at[rank] = now
+        if any(now - self.busy_at[r] < self.hang_s for r in pending):
+            return None
+        return self.diagnosis(records, finished, "hang", idle=True)
+
+    def diagnosis(self, records, finished: dict[int, str], what: str, idle: bool = False) -> BaseException | None:
+        states = self.states(finished)
+        # A rank's flight-recorder file is current once it has returned or raised (it writes one last
+        # time) or, when every running rank has sat idle for hang_s, if it is not stopped (its thread
+        # writes within 0.5 s of the recorder going still). Other ranks' files may be out of date.
+        current = {rank for rank, how in finished.items() if how.startswith(("returned", "raised"))}
+        if idle and self.hang_s >= 0.5:
+            current |= {rank for rank in range(len(self.procs)) if rank not in states}
+        flight = {rank: doctor.read_flight_recorder(path) if rank in current else None
+                  for rank, path in enumerate(self.paths)}
+        findings, table, source = doctor.diagnose_all(records, flight, states, len(self.procs))
+        return doctor.HangError(doctor.report(findings, table, what, source)) if findings else None
+
+
+def _collect(procs, readers, timeout_s: float, watch: _Watch) -> list[Any]:
+    deadline = time.monotonic() + timeout_s
+    results: dict[int, Any] = {}
+    errors: dict[int, BaseException] = {}
+    finished: dict[int, str] = {}  # rank -> how it ended, for the doctor's table
+    pending = set(range(len(procs)))
+
+    def receive(rank: int) -> None:
+        pending.discard(rank)
+        try:
+            msg = pickle.loads(readers[rank].recv_bytes())
+        except (EOFError, OSError):
+            procs[rank].join(timeout=1)
+            code = procs[rank].exitcode
+            how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            errors[rank] = RankError(f"rank {rank} died ({how}) without reporting a result")
+            finished[rank] = f"died ({how})"
+            return
+        if msg[0] == "ok":
+            results[rank] = msg[1]
+            finished[rank] = "returned"
+        else:
+            errors[rank] = _rebuild(rank, *msg[1:])
+            finished[rank] = f"raised {msg[2]}"
+
+    while pending and not errors:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            report = watch.diagnosis(watch.records(), finished, "timeout")
+            raise TimeoutError(
+                f"ranks {sorted(pending)} did not finish within {timeout_s:.0f} s "
+                "(a send/recv or collective that not every rank called?)"
+                + (f"\n{report}" if report else ""))
+        # Look at the ranks every half second: a deadlock is named in seconds, not at the timeout.
+        ready = wait([readers[r] for r in pending] + [procs[r].sentinel for r in pending],
+                     timeout=min(remaining, 0.5))
+        for rank in sorted(pending):
+            if readers[rank] in ready or procs[rank].sentinel in ready:
+                receive(rank)
+        if not ready and not errors:
+            hang = watch.hung(pending, finished)
+            if hang is not None and not any(readers[r].poll() for r in pending):
+                raise hang  # (a rank that reported meanwhile, e.g. its unfinished TODO, is heard first)
+    if errors:
+        # Ranks that already reported count too; prefer a root cause (an assertion,
+        # a TODO) over the connection errors its peers see when it dies.
+        for rank in sorted(pending):
+            if readers[rank].poll():
+                receive(rank)
+
+        def secondary(item):
+            rank, exc = item
+            return any(word in str(exc).lower()[:300] for word in _SECONDARY), rank
+
+        first = min(errors.items(), key=secondary)[1]
+        # A timeout, a closed connection or a crash inside gloo (SIGABRT on a size mismatch)
+        # blames whichever rank noticed first: the records say who never arrived.
+        if secondary(min(errors.items(), key=secondary))[0] or "(signal 6)" in str(first):
+            hang = watch.diagnosis(watch.records(), finished, "hang" if "signal 6" not in str(first) else "mismatch")
+            if hang is not None:
+                raise hang from first
+        raise first
+    return [results[r] for r in range(len(procs))]
