@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from benchmarks.common import RESULTS, machine_info, write_result
 from benchmarks.harness import Contender, format_row, launch, load_of, measure, ratio_row
 from distlab.metrics import format_table
-from distlab.sync import broadcast_tensors
+from distlab.lessons.sync import broadcast_tensors
 
 BUCKET_MB = 25.0
 CONTENDERS = ["per-param after backward", "one flat all-reduce after backward", "ours per-param overlapped",

@@ -29,7 +29,7 @@ from distlab.launch import init_from_env, shutdown
 from distlab.loader import load
 from distlab.metrics import format_bytes, format_table, log0, median, progress, sync_device
 from distlab.models import Block, GPTConfig, TinyGPT
-from distlab.sync import allreduce_gradients
+from distlab.lessons.sync import allreduce_gradients
 from distlab.testing import shard
 from distlab.todo import run_demo
 

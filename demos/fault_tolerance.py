@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from demos.sizes import global_batch, positive
 from distlab.data import synthetic_classification
 from distlab.loader import load
-from distlab.sync import allreduce_gradients
+from distlab.lessons.sync import allreduce_gradients
 from distlab.todo import run_demo
 
 PHASE = "phase4_production"

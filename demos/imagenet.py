@@ -48,7 +48,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from demos.sizes import global_batch, positive
 from distlab.loader import load
-from distlab.sync import broadcast_module
+from distlab.lessons.sync import broadcast_module
 from distlab.todo import run_demo
 
 STRATEGIES = ("ddp", "ours", "zero", "fsdp")
@@ -112,7 +112,7 @@ def apply_deepspeed_config(cfg: Config, world_size: int):
     Stage 0 is ``--strategy ddp``, 1-3 ``--strategy zero``; its optimizer replaces SGD. The capstone
     steps once per global batch: ``gradient_accumulation_steps`` must be 1 (demos/zero.py accumulates).
     """
-    from distlab.zero_config import load_zero_config
+    from distlab.lessons.zero_config import load_zero_config
 
     ds = load_zero_config(cfg.deepspeed_config, world_size)
     if ds.gradient_accumulation_steps != 1:
@@ -311,7 +311,7 @@ def resume(manager: Any, engine: Engine, scheduler: Any, sampler: Any, scaler: A
 
     A checkpoint that verifies can still fail to load: another model's shapes, a file that
     ``weights_only`` refuses, another world size that ``--strategy zero`` cannot reshard.
-    ``manager.restore`` (distlab/resume.py) then warns, naming the directory and the reason, and
+    ``manager.restore`` (distlab/lessons/resume.py) then warns, naming the directory and the reason, and
     tries the one before; every rank takes the same one. A checkpoint is loaded whole or not at
     all: each try starts from the state at step 0 (a snapshot taken before the first), because a
     failed one may stop part-way (``load_state_dict`` copies every tensor whose shape fits before

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     from distlab.launch import init_from_env, shutdown
     from distlab.metrics import format_table, log0, progress
     from distlab.plots import plot_timeline
-    from distlab.sync import allreduce_gradients
+    from distlab.lessons.sync import allreduce_gradients
 
     args = build_parser().parse_args(argv)
     mon = load(PHASE, "monitoring")

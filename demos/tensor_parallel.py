@@ -11,7 +11,7 @@ embedding, one for the head, three small ones for the vocab-parallel loss).
     IMPL=templates RUN_MODE=tensor_parallel ./entrypoint.sh  # your template_tensor_parallel.py
 
 ``python -m demos.tensor_parallel`` runs it as one rank (no communication). The template
-builds on the bench's conjugate functions (distlab.tp), so your 2.15-2.16 are graded by
+builds on the bench's conjugate functions (distlab.lessons.tp), so your 2.15-2.16 are graded by
 the tests, not run here.
 """
 from __future__ import annotations

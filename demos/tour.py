@@ -315,7 +315,7 @@ def _context_parallel(rank: int, world_size: int, steps: int, device: torch.devi
     """A one-block TinyGPT on sequences of ``seq_len`` tokens, 2 per step; every rank holds a
     zig-zag share of each sequence's tokens (and every parameter)."""
     from distlab.models import GPTConfig, TinyGPT
-    from distlab.sync import allreduce_gradients
+    from distlab.lessons.sync import allreduce_gradients
 
     ring = load("phase5_large_models", "ring_attention")
     cfg = GPTConfig(vocab_size=32, block_size=seq_len, n_layer=1, n_head=4, n_embd=32)
@@ -360,7 +360,7 @@ def _context_parallel(rank: int, world_size: int, steps: int, device: torch.devi
 
 def _expert_parallel(rank: int, world_size: int, hidden: int, batches, device: torch.device) -> Run:
     """The MoE classifier, 2 experts per rank, on this rank's shard of every digits batch."""
-    from distlab.sync import allreduce_gradients
+    from distlab.lessons.sync import allreduce_gradients
     from distlab.testing import shard
 
     moe = load("phase5_large_models", "moe")

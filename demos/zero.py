@@ -27,7 +27,7 @@ from distlab.loader import load
 from distlab.metrics import format_bytes, format_table, log0, progress, sync_device
 from distlab.models import GPTConfig, TinyGPT
 from distlab.todo import run_demo
-from distlab.zero_config import load_zero_config
+from distlab.lessons.zero_config import load_zero_config
 
 PHASE = "phase3_multi_node"
 
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stage 3 only: dtype of the gathered parameters")
     parser.add_argument("--offload-optimizer", choices=["none", "cpu"], default="none",
                         help="stages 1-2: optimizer state and step on the CPU (ZeRO-Offload)")
-    parser.add_argument("--deepspeed-config", metavar="PATH", help="DeepSpeed-style JSON (distlab/zero_config.py): its "
+    parser.add_argument("--deepspeed-config", metavar="PATH", help="DeepSpeed-style JSON (distlab/lessons/zero_config.py): its "
                         "stage, offload, bucket size, bf16, batch, accumulation and optimizer replace the flags")
     return parser
 

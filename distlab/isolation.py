@@ -8,8 +8,8 @@ could score without implementing anything. Two checks here, called by distlab/lo
    what its untouched version imports (rendered from the solution by distlab/templates.py)
    plus a few harmless modules (torch, math, dataclasses, typing, ...). From ``distlab`` it
    may import only the names its untouched version imports: that is the per-exercise rule
-   (``template_tp_primitives.py`` may not take ``distlab.tp``'s ready-made regions, the
-   trainer may not take ``distlab.sync``'s broadcast and all-reduce). Refused everywhere:
+   (``template_tp_primitives.py`` may not take ``distlab.lessons.tp``'s ready-made regions, the
+   trainer may not take ``distlab.lessons.sync``'s broadcast and all-reduce). Refused everywhere:
    the escape hatches (exec, eval, compile, __import__, open, globals, vars, getattr with a
    computed or dunder name, dunder attributes such as ``__code__``/``__globals__``/``__dict__``,
    frame attributes) and assignments to what it imported (``torch.equal = ...``). A hatch the
@@ -58,8 +58,8 @@ HATCH_ATTRS = {"f_back", "f_globals", "f_locals", "f_builtins", "f_code", "gi_fr
 # The bench's given copies of taught functions: a later exercise gets them from distlab, and the
 # exercise that teaches them may never import them (whatever its untouched template says).
 BENCH_COPIES = {
-    "trainer": {"distlab.sync": {"broadcast_module", "broadcast_tensors", "allreduce_gradients", "average_buffers"}},
-    "tp_primitives": {"distlab.tp": {"copy_to_region", "reduce_from_region", "gather_from_region",
+    "trainer": {"distlab.lessons.sync": {"broadcast_module", "broadcast_tensors", "allreduce_gradients", "average_buffers"}},
+    "tp_primitives": {"distlab.lessons.tp": {"copy_to_region", "reduce_from_region", "gather_from_region",
                                      "scatter_to_region", "_CopyToRegion", "_ReduceFromRegion",
                                      "_GatherFromRegion", "_ScatterToRegion"}},
 }

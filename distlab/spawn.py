@@ -78,7 +78,7 @@ def _context():
         _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.optim",
                                      "torch.testing", "torch.distributed.tensor", "distlab.spawn",
                                      "pytest", "distlab.testing", "distlab.loader", "distlab.comm",
-                                     "distlab.models", "distlab.sync", "distlab.p2p", "distlab.doctor"])
+                                     "distlab.models", "distlab.lessons.sync", "distlab.p2p", "distlab.doctor"])
     return _CTX
 
 

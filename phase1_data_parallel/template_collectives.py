@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from distlab import p2p  # noqa: F401 (p2p: for TODO 1.1)
 from distlab.comm import check_reduce_op
-from distlab.sync import group_root
+from distlab.lessons.sync import group_root
 from distlab.todo import todo
 
 

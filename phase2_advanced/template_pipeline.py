@@ -34,8 +34,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distlab.metrics import Timeline
-from distlab.stage_links import StageLinks
-from distlab.sync import check_divisible
+from distlab.lessons.stage_links import StageLinks
+from distlab.lessons.sync import check_divisible
 from distlab.todo import todo
 
 
@@ -81,7 +81,7 @@ class PipelineStage:
         self.peak_in_flight = 0
         self.losses: list[torch.Tensor] = []  # last stage: each micro-batch's loss / m
         self.timeline = Timeline(self.device, timeline)
-        # Given: untagged messages, each send leaving with the next receive (distlab/stage_links.py).
+        # Given: untagged messages, each send leaving with the next receive (distlab/lessons/stage_links.py).
         self.links = StageLinks(self.stage_id, group, dtype, self.device, self.timeline)
 
     @property

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 
 from distlab.comm import all_gather_single, reduce_scatter_single
 from distlab.models import Block
-from distlab.sync import check_divisible
-from distlab.tp import mark_sharded, shard
+from distlab.lessons.sync import check_divisible
+from distlab.lessons.tp import mark_sharded, shard
 from distlab.todo import todo
 
 

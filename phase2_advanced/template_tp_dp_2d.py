@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.sync import allreduce_gradients, check_divisible  # noqa: F401 (allreduce_gradients: for TODO 2.22)
+from distlab.lessons.sync import allreduce_gradients, check_divisible  # noqa: F401 (allreduce_gradients: for TODO 2.22)
 from distlab.todo import todo
 
 

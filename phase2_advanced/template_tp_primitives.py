@@ -18,7 +18,7 @@ the tests run at W = 2, 3 and 4 and count the collectives.
 
 Cost per rank: f and g one all-reduce of |x| (f's backward, g's forward); the gather
 pair one all-gather receiving (W-1)|slice|. The layers that use them live in
-tensor_parallel.py (whose template uses the bench's copy, ``distlab.tp``).
+tensor_parallel.py (whose template uses the bench's copy, ``distlab.lessons.tp``).
 See phase2_advanced/guidelines_model_parallel.md#the-conjugate-functions.
 Run: ``RUN_MODE=tensor_parallel ./entrypoint.sh`` (TinyGPT built on these).
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distlab.sync import check_divisible
+from distlab.lessons.sync import check_divisible
 from distlab.todo import todo
 
 

@@ -16,7 +16,7 @@ run while layers L-1 ... 1 are still differentiating:
    async_op=True)`` and keep the handle;
 3. ``finish_gradient_synchronization()`` before ``optimizer.step()``: wait for every
    handle, divide by W. The bench calls it for you when backward ends (an autograd
-   callback, ``distlab.sync.FinishInBackwardMixin``, as torch's DDP does), so
+   callback, ``distlab.lessons.sync.FinishInBackwardMixin``, as torch's DDP does), so
    ``loss.backward(); optimizer.step()`` is enough; calling it again does nothing.
 
 Cost per step: one all-reduce per trainable parameter, |grads| bytes in all, hidden
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.sync import FinishInBackwardMixin, broadcast_tensors, group_root
+from distlab.lessons.sync import FinishInBackwardMixin, broadcast_tensors, group_root
 from distlab.todo import todo
 
 

@@ -13,7 +13,7 @@ weights) + 2 (fp16 gradients) + K = 12 (fp32 master weights, momentum, variance)
     ZeRO-2 (this, stage=2) 2Psi     2Psi / W  K Psi / W
     ZeRO-3 (fsdp.py)      2Psi / W  2Psi / W  K Psi / W
 
-Flat-buffer sharding (given, distlab/flat_buckets.py): trainable parameters are packed (in backward order) into
+Flat-buffer sharding (given, distlab/lessons/flat_buckets.py): trainable parameters are packed (in backward order) into
 flat buckets padded to a multiple of W; rank r owns chunk r of every bucket, so ranks hold equal shares whatever
 the tensor shapes (torch's ZeroRedundancyOptimizer hands out whole tensors). The model's parameters are views
 into the buckets: an all-gather into a bucket updates the model in place.
@@ -30,7 +30,7 @@ the same as DDP's all-reduce. Several backwards before one ``step`` accumulate (
 each backward's reduce-scatters finish when it ends). Unused parameters get zero gradients.
 See phase3_multi_node/guidelines_ddp_zero.md#zero-1-optimizer-state-sharded.
 
-ZeRO-Offload (given code, distlab/offload.py): with ``offload_device="cpu"`` the optimizer
+ZeRO-Offload (given code, distlab/lessons/offload.py): with ``offload_device="cpu"`` the optimizer
 state and step live on the CPU; per step my gradient chunks go there and the updated chunks
 come back (Psi / W bytes each way per rank). See guidelines_ddp_zero.md#zero-offload-and-deepspeed-style-configs.
 
@@ -46,11 +46,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distlab.comm import all_gather_single, reduce_scatter_single  # noqa: F401 (all_gather_single: for TODO 3.15; reduce_scatter_single: for TODO 3.16a)
-from distlab.flat_buckets import (bucket_layout, check_sharded_state, chunk_state_dict, consolidated_state_dict,
+from distlab.lessons.flat_buckets import (bucket_layout, check_sharded_state, chunk_state_dict, consolidated_state_dict,
                                   group_params, make_flat_bucket)
 from distlab.meters import MemoryMeter, OverlapMeter, nbytes
-from distlab.offload import OffloadedShards
-from distlab.sync import broadcast_buffers_in_forward, broadcast_tensors
+from distlab.lessons.offload import OffloadedShards
+from distlab.lessons.sync import broadcast_buffers_in_forward, broadcast_tensors
 from distlab.todo import todo
 
 
@@ -67,7 +67,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         offload_device: None, or where the optimizer keeps its copies of my chunks, its
             state and takes its step (``"cpu"``: ZeRO-Offload).
         module: the model: its buffers (BatchNorm's statistics) broadcast from rank 0 before forwards, as
-            torch's DDP does (``distlab.sync.broadcast_buffers_in_forward``). None: each rank keeps its own.
+            torch's DDP does (``distlab.lessons.sync.broadcast_buffers_in_forward``). None: each rank keeps its own.
         **defaults: passed to ``optimizer_class`` (lr, weight_decay, ...).
 
     ``param_groups``/``state`` are the inner optimizer's (my chunks): LR schedulers work.

@@ -24,7 +24,7 @@ On disk: ``ckpt/step_00000010/rank0.pt rank1.pt ... meta.pt``, staged as ``step_
 and renamed once every rank's file is in. ``restore`` resumes from the newest checkpoint that
 verifies and *loads*. A run holds its directory, every rank file carries the run's id and step
 (two runs' files never pass for one checkpoint), and pruning counts and deletes only this run's
-own good checkpoints (``distlab/resume.py``).
+own good checkpoints (``distlab/lessons/resume.py``).
 
 Cost: two all-reduces of W + 2 integers per save; disk: each rank's state. See guidelines.md#crash-safe-checkpoints.
 """
@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from distlab import resume
+from distlab.lessons import resume
 from distlab.todo import todo
 
 MAGIC = b"DISTLAB-CKPT-1\n"
@@ -187,7 +187,7 @@ class CheckpointManager(resume.RunDirectory):
         group: the ranks that save together (None = WORLD).
 
     The run holds the directory from its ``restore`` or first ``save`` until ``close()`` (or its exit);
-    ``with CheckpointManager(...) as manager:`` closes it too (see ``distlab.resume.RunDirectory``).
+    ``with CheckpointManager(...) as manager:`` closes it too (see ``distlab.lessons.resume.RunDirectory``).
     """
 
     def __init__(self, directory: str | Path, keep: int = 3, group: dist.ProcessGroup | None = None) -> None:
@@ -209,7 +209,7 @@ class CheckpointManager(resume.RunDirectory):
         Cost: two all-reduces of W + 2 integers (and one broadcast the first time); |state| bytes per rank.
         """
         return self._save_step(step, state, self.step_dir(step), save_file,
-                               lambda path: Checkpoint(step, 0, path).meta)  # distlab/resume.py
+                               lambda path: Checkpoint(step, 0, path).meta)  # distlab/lessons/resume.py
 
     def _published(self) -> list[Path]:
         """The complete step directories (not staging ``*.tmp`` ones, nor ones moved aside), oldest first."""
@@ -248,6 +248,6 @@ class CheckpointManager(resume.RunDirectory):
 
     def restore(self, apply: Callable[[Checkpoint], Any], group: dist.ProcessGroup | None = None) -> Checkpoint | None:
         """Resume from the newest good checkpoint that ``apply`` loads (else the one before, with a warning),
-        None: start fresh; carries on its lineage. Collective: every rank of ``group`` (``distlab.resume``)."""
+        None: start fresh; carries on its lineage. Collective: every rank of ``group`` (``distlab.lessons.resume``)."""
         self._hold()
         return self._adopt(resume.restore(self, apply, group))

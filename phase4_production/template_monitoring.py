@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.metrics import peak_memory_bytes, sync_device
-from distlab.sync import group_root
+from distlab.lessons.sync import group_root
 from distlab.todo import todo
 
 SECTIONS = ("data", "compute", "comm", "optimizer")

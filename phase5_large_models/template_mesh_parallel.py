@@ -42,7 +42,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                parallelize_module)
 
 from distlab.models import TinyGPT
-from distlab.sync import check_divisible
+from distlab.lessons.sync import check_divisible
 from distlab.todo import todo
 
 

@@ -47,7 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F  # noqa: F401 (F: for TODO 5.6)
 
 from distlab.comm import all_gather_single
-from distlab.sync import check_divisible
+from distlab.lessons.sync import check_divisible
 from torch.distributed.nn.functional import all_to_all_single  # torch's twin of exercise 5.5  # noqa: F401 (all_to_all_single: for TODO 5.7, 5.8)
 from distlab.todo import todo
 

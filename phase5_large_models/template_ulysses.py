@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab.sync import check_divisible
+from distlab.lessons.sync import check_divisible
 from distlab.todo import todo
 
 

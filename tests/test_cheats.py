@@ -38,8 +38,8 @@ GRADED = {
 ROUNDS = [
     {"lazy_import_inside_function": "solutions.phase1_data_parallel",
      "builtins_via_sys_modules": "`import sys` is not allowed",
-     "bench_copy_distlab_sync": "`from distlab.sync import allreduce_gradients` is the bench's copy of this exercise",
-     "bench_copy_distlab_tp": "`from distlab.tp import copy_to_region` is the bench's copy of this exercise"},
+     "bench_copy_distlab_sync": "`from distlab.lessons.sync import allreduce_gradients` is the bench's copy of this exercise",
+     "bench_copy_distlab_tp": "`from distlab.lessons.tp import copy_to_region` is the bench's copy of this exercise"},
     {"builtins_via_getattr": "`import builtins` is not allowed",
      "gc_search_for_reference": "`import gc` is not allowed",
      "exec_compile_open_reference": "`compile` is not allowed",

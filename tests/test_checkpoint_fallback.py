@@ -177,7 +177,7 @@ def test_an_unfinished_todo_in_the_load_path_stops_the_run_instead_of_starting_f
     """A learner's TODO is a NotImplementedError, a RuntimeError like a bad load: it must not read as one."""
     from types import SimpleNamespace
 
-    from distlab import resume
+    from distlab.lessons import resume
     from distlab.todo import LearnerTODO, todo
 
     found = SimpleNamespace(step=4, directory=tmp_path / "step_00000004")

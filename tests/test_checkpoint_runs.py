@@ -1,6 +1,6 @@
 """One run per checkpoint directory, and nothing a run did not write is ever lost to it.
 
-The bench of ``CheckpointManager`` (distlab/resume.py; given code, not graded). Each test is a probe
+The bench of ``CheckpointManager`` (distlab/lessons/resume.py; given code, not graded). Each test is a probe
 that once lost data, made deterministic:
 
 * another experiment's *newer* checkpoints (they verify, but do not load) were counted by keep-N
@@ -31,7 +31,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distlab import load, resume
+from distlab import load
+from distlab.lessons import resume
 from distlab.spawn import run_distributed
 
 PHASE = "phase4_production"
@@ -101,7 +102,7 @@ def test_pruning_keeps_the_step_it_saved_when_a_newer_one_of_its_lineage_does_no
 
 
 # --------------------------------------------------------------------------- one writer
-_HOLDER = "import sys; from distlab import resume; resume.hold(sys.argv[1], 'a' * 32); print('held', flush=True); " \
+_HOLDER = "import sys; from distlab.lessons import resume; resume.hold(sys.argv[1], 'a' * 32); print('held', flush=True); " \
           "sys.stdin.read()"
 
 

@@ -415,7 +415,7 @@ def test_launcher_filter_keeps_a_todo_to_one_line_and_any_other_failure_whole(co
 
 def _worker_sync_helpers(rank, world_size):
     from distlab.models import TinyCNN
-    from distlab.sync import allreduce_gradients, average_buffers, broadcast_module
+    from distlab.lessons.sync import allreduce_gradients, average_buffers, broadcast_module
 
     torch.manual_seed(rank)  # every rank starts different
     model = TinyCNN()
@@ -438,7 +438,7 @@ def _worker_sync_helpers(rank, world_size):
 
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_sync_helpers_match_their_definitions(world_size):
-    """distlab.sync: broadcast (parameters only), buffer and gradient means, as phase 1 defines them."""
+    """distlab.lessons.sync: broadcast (parameters only), buffer and gradient means, as phase 1 defines them."""
     results = run_distributed(_worker_sync_helpers, world_size)
     for rank, params in enumerate(results):
         assert all(torch.equal(a, b) for a, b in zip(params, results[0])), f"rank {rank} differs from rank 0"
@@ -462,9 +462,9 @@ def test_loss_curves_give_every_series_its_own_style_and_bars_name_their_units(t
 
 
 def test_no_sync_restores_syncing_when_its_body_raises():
-    # no_sync is given code (distlab.sync.NoSyncMixin), shared by every data-parallel wrapper:
+    # no_sync is given code (distlab.lessons.sync.NoSyncMixin), shared by every data-parallel wrapper:
     # an exception inside the body (a bad batch, an OOM) must not leave gradients unsynchronised.
-    from distlab.sync import NoSyncMixin
+    from distlab.lessons.sync import NoSyncMixin
 
     wrapper = NoSyncMixin()
     with pytest.raises(ZeroDivisionError):

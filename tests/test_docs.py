@@ -200,3 +200,25 @@ def test_torch_distributed_debug_detail_catches_the_mismatch_the_guide_shows(mon
     assert "TensorShape=[4]" in message and "TensorShape=[5]" in message
     guide = (REPO / "docs" / "troubleshooting.md").read_text()
     assert "Detected mismatch between collectives on ranks. Rank 0 is running collective" in guide
+
+
+def test_every_bench_module_is_on_the_readmes_map():
+    """The README's map of distlab/ names every module (a package by its folder), so a newcomer finds each room."""
+    root = Path(__file__).resolve().parents[1]
+    section = re.search(r"^## The bench \(`distlab/`\)\n(.*?)^## ", (root / "README.md").read_text(), re.S | re.M)
+    assert section, "README.md has no '## The bench (`distlab/`)' section"
+    mapped = set(re.findall(r"`((?:[a-z0-9_]+/)?[a-z0-9_]+(?:\.py|/))`", section.group(1)))
+    missing = []
+    for path in sorted((root / "distlab").rglob("*.py")):
+        rel = path.relative_to(root / "distlab")
+        if rel.name in ("__init__.py", "__main__.py") and rel.parent == Path("."):
+            continue
+        if len(rel.parts) > 1 and rel.parts[0] != "lessons":
+            name = f"{rel.parts[0]}/"  # a package of the bench's own (the cockpit): its folder
+        else:
+            name = rel.as_posix()
+        if rel.name == "__init__.py":
+            continue
+        if name not in mapped:
+            missing.append(name)
+    assert not missing, f"distlab modules missing from the README's map of the bench: {sorted(set(missing))}"

@@ -65,8 +65,8 @@ def _all_reduce_calls(ledger: CommLedger) -> tuple[int, int]:
 
 # =========================================================================== 2.15-2.16 primitives
 def _worker_tp_primitives(rank, world_size, bench=False):
-    # bench: distlab.tp, the reference copy that template_tensor_parallel.py builds on (2.17-2.20).
-    tp = importlib.import_module("distlab.tp") if bench else load(PHASE, "tp_primitives")
+    # bench: distlab.lessons.tp, the reference copy that template_tensor_parallel.py builds on (2.17-2.20).
+    tp = importlib.import_module("distlab.lessons.tp") if bench else load(PHASE, "tp_primitives")
     _check_tp_primitives(tp, rank, list(range(world_size)), None)
     if world_size in (3, 4):
         # On subgroups of 2 whose ranks differ from the global ones (W=3: {1, 2}, rank 0 idle; W=4:

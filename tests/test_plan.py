@@ -26,7 +26,7 @@ from distlab import load, plan
 from distlab.comm import CommLedger
 from distlab.spawn import run_distributed
 from distlab.models import GPTConfig, TinyGPT, seeded
-from distlab.sync import allreduce_gradients
+from distlab.lessons.sync import allreduce_gradients
 
 L, H, HEADS, V, S, B = 2, 32, 4, 64, 32, 2      # TinyGPT sizes; B: sequences per micro-batch
 E, K = 4, 2                                     # experts, top-k

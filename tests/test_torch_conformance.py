@@ -365,7 +365,7 @@ def test_fsdp_state_dict_has_torch_names_refuses_foreign_shards_and_rank0_full(t
 def _worker_fsdp_optimizer_state(rank: int, world_size: int) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    from distlab.flat_shards import load_optimizer_state_dict, optimizer_state_dict
+    from distlab.lessons.flat_shards import load_optimizer_state_dict, optimizer_state_dict
 
     def step(model, optimizer, k: int) -> None:
         x, y = _batch(k)
@@ -421,7 +421,7 @@ def _groups(model: nn.Module) -> list[dict]:
 
 
 def _average_and_step(model: nn.Module, optimizer, x, y, rank: int, world_size: int) -> None:
-    from distlab.sync import allreduce_gradients
+    from distlab.lessons.sync import allreduce_gradients
     optimizer.zero_grad(set_to_none=True)
     F.cross_entropy(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
     allreduce_gradients(model.parameters())

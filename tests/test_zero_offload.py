@@ -1,4 +1,4 @@
-"""ZeRO-Offload (optimizer on the CPU) and the DeepSpeed-style config (distlab/zero_config.py).
+"""ZeRO-Offload (optimizer on the CPU) and the DeepSpeed-style config (distlab/lessons/zero_config.py).
 
 Offload: at W = 2, stages 1 and 2 with two micro-batches per step, the offloaded
 ZeroOptimizer takes bitwise the steps of the one without offload (the same AdamW
@@ -26,7 +26,7 @@ from distlab import load
 from distlab.spawn import run_distributed
 from distlab.models import ToyMLP, seeded
 from distlab.testing import assert_models_close, shard
-from distlab.zero_config import load_zero_config, parse_zero_config
+from distlab.lessons.zero_config import load_zero_config, parse_zero_config
 
 PHASE = "phase3_multi_node"
 REPO = Path(__file__).resolve().parent.parent

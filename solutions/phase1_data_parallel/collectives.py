@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from distlab import p2p
 from distlab.comm import check_reduce_op
-from distlab.sync import group_root
+from distlab.lessons.sync import group_root
 
 
 def allreduce_reduce_broadcast(tensor: torch.Tensor, op: str = "sum",

@@ -14,7 +14,7 @@ k*b*W samples, provided that:
 
 Here the all-reduce is triggered by backward itself (a hook fires when a
 parameter's gradient is complete), as in PyTorch's DistributedDataParallel, so
-skipping it needs a switch: the ``no_sync()`` context (``distlab.sync.NoSyncMixin``),
+skipping it needs a switch: the ``no_sync()`` context (``distlab.lessons.sync.NoSyncMixin``),
 entered for every micro-batch but the last.
 
 Cost per optimizer step: one all-reduce per parameter, |params| bytes in all,
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.sync import NoSyncMixin, average_buffers, broadcast_module
+from distlab.lessons.sync import NoSyncMixin, average_buffers, broadcast_module
 
 
 def split_micro_batches(inputs: torch.Tensor, targets: torch.Tensor,

@@ -14,7 +14,7 @@ in a row, S doubles. bf16 has fp32's exponent range and rarely needs scaling.
 
 A skip at *every* step is not an overflow: the gradients are inf/nan whatever the
 scale. The scaler warns after ``warn_skipped_steps`` skips in a row and stops after
-``max_skipped_steps``, naming the first non-finite gradient (``distlab.skips``, given).
+``max_skipped_steps``, naming the first non-finite gradient (``distlab.lessons.skips``, given).
 
 With data parallelism every rank must make the same skip decision, or replicas
 diverge: the scaler all-reduces its found-inf flag (MAX, 4 bytes). After a full
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.skips import NonFiniteGradientsError, SkipWatch  # noqa: F401 (the error update() raises)
+from distlab.lessons.skips import NonFiniteGradientsError, SkipWatch  # noqa: F401 (the error update() raises)
 
 
 def _fp32(x: float) -> float:
@@ -63,7 +63,7 @@ class DynamicLossScaler:
         group: the ranks that must agree on skipping (None: WORLD when initialised).
         warn_skipped_steps, max_skipped_steps, named_parameters: warn at that many skips in a row,
             raise ``NonFiniteGradientsError`` at that many (None: never), naming the first non-finite
-            gradient by its name (``distlab.skips.SkipWatch``).
+            gradient by its name (``distlab.lessons.skips.SkipWatch``).
 
     Equivalent to: ``torch.amp.GradScaler`` with the same arguments: same scales,
         same skipped steps, same parameters.

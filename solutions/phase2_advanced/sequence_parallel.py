@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 from distlab.comm import all_gather_single, reduce_scatter_single
 from distlab.models import Block
-from distlab.sync import check_divisible
-from distlab.tp import mark_sharded, shard
+from distlab.lessons.sync import check_divisible
+from distlab.lessons.tp import mark_sharded, shard
 
 
 def _all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:

@@ -5,7 +5,7 @@ holds rows r of ``A``: whole ``x`` in, a slice of ``y`` out) and row-parallel (c
 r: a slice of ``x`` in, a partial sum of ``y`` out). A column layer then a row layer
 (the MLP; q/k/v then the output projection, heads split) needs no communication in
 between; at the boundaries stand tp_primitives.py's f (``copy_to_region``) and g
-(``reduce_from_region``). The template uses the bench's copy of those, ``distlab.tp``.
+(``reduce_from_region``). The template uses the bench's copy of those, ``distlab.lessons.tp``.
 
 Cost per transformer block, per rank: forward 2 all-reduces (attention and MLP
 outputs), backward 2, each of B*T*d elements. The vocab-parallel cross-entropy adds
@@ -23,9 +23,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distlab.models import MLP, Block, CausalSelfAttention, TinyGPT
-from distlab.sync import check_divisible
-from distlab.tp import load_shards, mark_sharded
-from solutions.phase2_advanced.tp_primitives import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region  # template: from distlab.tp import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region
+from distlab.lessons.sync import check_divisible
+from distlab.lessons.tp import load_shards, mark_sharded
+from solutions.phase2_advanced.tp_primitives import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region  # template: from distlab.lessons.tp import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region
 
 
 class ColumnParallelLinear(nn.Module):

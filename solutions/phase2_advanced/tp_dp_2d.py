@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.sync import allreduce_gradients, check_divisible
+from distlab.lessons.sync import allreduce_gradients, check_divisible
 
 
 @dataclass(frozen=True)

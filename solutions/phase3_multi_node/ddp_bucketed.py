@@ -17,7 +17,7 @@ fewer calls:
   different order.
 * ``finish_gradient_synchronization()``: launch what is left, wait (gradients were
   divided by W on their way into the bucket, and ``p.grad`` are views: nothing to copy back).
-  The end of backward calls it (an autograd callback, ``distlab.sync.FinishInBackwardMixin``,
+  The end of backward calls it (an autograd callback, ``distlab.lessons.sync.FinishInBackwardMixin``,
   as torch's DDP does): ``loss.backward(); optimizer.step()`` is enough, a second call does nothing.
 * ``no_sync()`` (or torch's ``require_backward_grad_sync = False``): a forward inside it makes
   its backward's hooks do nothing; gradients accumulate in ``p.grad``.
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.sync import FinishInBackwardMixin, broadcast_module, group_root
+from distlab.lessons.sync import FinishInBackwardMixin, broadcast_module, group_root
 
 
 @dataclass

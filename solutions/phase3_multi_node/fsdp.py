@@ -18,7 +18,7 @@ At rest everything is 1/W ((2 + 2 + K) Psi / W, mixed-precision Adam, Rajbhandar
 2020); per step two all-gathers and a reduce-scatter: 3 Psi (W-1)/W bytes per rank, 1.5x DDP.
 Flat chunks per unit (FSDP1), not per-parameter shards (FSDP2): one collective per unit, no
 copies, the lesson here; but the optimizer sees no names or shapes (groups by name: ``replicate``).
-Plumbing (the ``Unit`` record, sharding, storage, state dicts): distlab/flat_shards.py;
+Plumbing (the ``Unit`` record, sharding, storage, state dicts): distlab/lessons/flat_shards.py;
 guide: phase3_multi_node/guidelines_ddp_zero.md#zero-3-fsdp.
 
 Run: ``RUN_MODE=zero ./entrypoint.sh --stage 3 [--compute-dtype bfloat16]`` (demos/zero.py).
@@ -32,11 +32,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distlab.comm import all_gather_single, reduce_scatter_single
-from distlab.flat_shards import (Unit, alloc_storage, cast_floating, default_units, free_storage, keep_full_precision,
+from distlab.lessons.flat_shards import (Unit, alloc_storage, cast_floating, default_units, free_storage, keep_full_precision,
                                  load_named_shard_state_dict, named_shard_state_dict, replace_parameters,
                                  replicated_parameters, shard_unit)
 from distlab.meters import MemoryMeter, OverlapMeter, nbytes
-from distlab.sync import NoSyncMixin, allreduce_gradients, broadcast_module, group_root
+from distlab.lessons.sync import NoSyncMixin, allreduce_gradients, broadcast_module, group_root
 
 
 class FullyShardedDataParallel(NoSyncMixin, nn.Module):
@@ -61,7 +61,7 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
 
     ``state_dict()`` holds the single-process names (my part of each sharded parameter; whole
     tensors: ``fsdp_state.full_state_dict``; an optimizer's state by these names, full or sharded:
-    ``distlab.flat_shards.optimizer_state_dict``). Inside ``no_sync()`` (or after
+    ``distlab.lessons.flat_shards.optimizer_state_dict``). Inside ``no_sync()`` (or after
     ``set_requires_gradient_sync(False)``, FSDP2's spelling) backwards skip the reduce-scatters
     and sum each unit's full fp32 gradient locally (+|params| bytes); the next synced backward
     reduce-scatters that sum with its own gradients.

@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distlab import p2p
-from distlab.flat_buckets import pack as _pack, unpack as _unpack
+from distlab.lessons.flat_buckets import pack as _pack, unpack as _unpack
 
 PUSH, LEAVE = 0, 1  # worker -> server announcement kinds
 OK, ABORT = 0, 1  # server -> worker reply status

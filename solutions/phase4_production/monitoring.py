@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.metrics import peak_memory_bytes, sync_device
-from distlab.sync import group_root
+from distlab.lessons.sync import group_root
 
 SECTIONS = ("data", "compute", "comm", "optimizer")
 FIELDS = ("data_s", "compute_s", "comm_s", "optimizer_s", "busy_s", "step_s", "samples_per_s", "loss", "grad_norm",

@@ -40,7 +40,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                parallelize_module)
 
 from distlab.models import TinyGPT
-from distlab.sync import check_divisible
+from distlab.lessons.sync import check_divisible
 
 
 def tinygpt_tp_plan(n_layer: int, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:

@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distlab.comm import all_gather_single
-from distlab.sync import check_divisible
+from distlab.lessons.sync import check_divisible
 from solutions.phase5_large_models.moe_primitives import all_to_all_single  # template: from torch.distributed.nn.functional import all_to_all_single  # torch's twin of exercise 5.5
 
 

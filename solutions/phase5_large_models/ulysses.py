@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab.sync import check_divisible
+from distlab.lessons.sync import check_divisible
 
 
 def _seq_to_heads(x: torch.Tensor, seq_lens: list[int], group) -> torch.Tensor:

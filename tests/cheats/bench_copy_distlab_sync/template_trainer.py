@@ -1,4 +1,4 @@
-# Cheat: take the bench's given copies of 1.6-1.8 from distlab.sync (the TODOs left untouched).
+# Cheat: take the bench's given copies of 1.6-1.8 from distlab.lessons.sync (the TODOs left untouched).
 # The untouched template follows; the definitions at the end replace its three TODO functions.
 # Generated from solutions/phase1_data_parallel/trainer.py by `python -m distlab.templates --write`.
 # Write your code inside the '--- TODO' regions, in place of their `raise todo(...)`.
@@ -104,7 +104,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 # --- the cheat: the bench's given copies in place of 1.6-1.8 -------------------------------------
-from distlab.sync import allreduce_gradients as _allreduce, average_buffers, broadcast_module  # noqa: E402
+from distlab.lessons.sync import allreduce_gradients as _allreduce, average_buffers, broadcast_module  # noqa: E402
 
 
 def broadcast_parameters(model, src=0, group=None):  # noqa: F811

@@ -1,4 +1,4 @@
-# Cheat: take the bench's given copies of 2.15-2.16 from distlab.tp (the autograd Functions untouched).
+# Cheat: take the bench's given copies of 2.15-2.16 from distlab.lessons.tp (the autograd Functions untouched).
 # The untouched template follows; the import at the end replaces its four TODO functions.
 # Generated from solutions/phase2_advanced/tp_primitives.py by `python -m distlab.templates --write`.
 # Write your code inside the '--- TODO' regions, in place of their `raise todo(...)`.
@@ -20,7 +20,7 @@ the tests run at W = 2, 3 and 4 and count the collectives.
 
 Cost per rank: f and g one all-reduce of |x| (f's backward, g's forward); the gather
 pair one all-gather receiving (W-1)|slice|. The layers that use them live in
-tensor_parallel.py (whose template uses the bench's copy, ``distlab.tp``).
+tensor_parallel.py (whose template uses the bench's copy, ``distlab.lessons.tp``).
 See phase2_advanced/guidelines_model_parallel.md#the-conjugate-functions.
 Run: ``RUN_MODE=tensor_parallel ./entrypoint.sh`` (TinyGPT built on these).
 """
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distlab.sync import check_divisible
+from distlab.lessons.sync import check_divisible
 from distlab.todo import todo
 
 
@@ -158,4 +158,4 @@ def scatter_to_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -
     return x if world_size == 1 else _ScatterToRegion.apply(x, group)
 
 
-from distlab.tp import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region  # noqa: E402,F401,F811
+from distlab.lessons.tp import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region  # noqa: E402,F401,F811

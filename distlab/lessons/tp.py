@@ -3,7 +3,7 @@
 Phase 2 teaches these in exercises 2.15-2.16 (``solutions/phase2_advanced/tp_primitives.py``).
 The later tensor-parallel exercises (the layers, attention, the vocab-parallel parts,
 TinyGPT: ``template_tensor_parallel.py``) call this copy instead of the learner's, so an
-unfinished 2.15 never fails their tests: it is their "built-in", as ``distlab.sync`` is
+unfinished 2.15 never fails their tests: it is their "built-in", as ``distlab.lessons.sync`` is
 for Phase 1's broadcast and gradient average. Keep it equal to the solution.
 
     f = copy_to_region      forward: identity                backward: all-reduce
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.sync import check_divisible
+from distlab.lessons.sync import check_divisible
 
 
 def _all_gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -77,7 +77,7 @@ def _section(raw: Any, where: str, allowed: tuple[str, ...]) -> dict[str, Any]:
     unknown = sorted(set(raw) - set(allowed))
     if unknown:
         raise ValueError(f"unsupported key(s) {', '.join(where + k for k in unknown)}; supported here: "
-                         f"{', '.join(where + k for k in allowed)} (distlab/zero_config.py)")
+                         f"{', '.join(where + k for k in allowed)} (distlab/lessons/zero_config.py)")
     return raw
 
 
