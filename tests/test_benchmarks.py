@@ -174,16 +174,22 @@ def test_summary_and_readme_section_show_spread_and_meaning(tmp_path, monkeypatc
     summary = bench_run.summarise(results)
     assert summary["comparisons"]["collectives/ring 16MiB W=2"]["spread"]["q3"] == 0.97
     assert summary["comparisons"]["zero/optimizer state bytes"]["metric"] == "bytes"
-    readme = tmp_path / "README.md"
+    readme, bench_readme = tmp_path / "README.md", tmp_path / "bench.md"
     readme.write_text("# title\n\nintro\n")
     monkeypatch.setattr(bench_run, "README", readme)
+    monkeypatch.setattr(bench_run, "BENCH_README", bench_readme)
+    monkeypatch.setattr(bench_run, "HEADLINES", ["zero/optimizer state bytes", "a row no benchmark wrote"])
     bench_run.render_readme(summary)
     bench_run.render_readme(summary)  # idempotent: one section, replaced in place
-    text = readme.read_text()
+    text, every = readme.read_text(), bench_readme.read_text()
     assert text.count(bench_run.BEGIN) == 1 and text.startswith("# title\n\nintro\n")
-    assert ("| collectives/ring 16MiB W=2 | 0.93 | 0.90-0.97 (range 0.85-1.10) | 0.92 0.93 0.95 | time of ring / gloo "
-            "| 2 | 16 MiB | 0.4 / 2.5 (busy) |") in text
-    assert "| zero/optimizer state bytes | 0.50 | one measurement | - |" in text
+    assert every.count(bench_run.BEGIN) == 1
+    ring = ("| collectives/ring 16MiB W=2 | 0.93 | 0.90-0.97 (range 0.85-1.10) | 0.92 0.93 0.95 | time of ring / gloo "
+            "| 2 | 16 MiB | 0.4 / 2.5 (busy) |")
+    zero = "| zero/optimizer state bytes | 0.50 | one measurement | - |"
+    # Every row in benchmarks/README.md; the README holds the headline rows only, and says where the rest is.
+    assert ring in every and zero in every
+    assert zero in text and ring not in text and "All 2 comparisons" in text and "benchmarks/README.md" in text
 
 
 def test_zero_peak_memory_per_rank_is_within_5_percent_of_torchs():
