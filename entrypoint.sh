@@ -16,6 +16,7 @@
 #   MASTER_PORT   rendezvous port (multi-node; default 29500; an integer 1-65535)
 #   RDZV_ID       job id shared by all nodes of one job (default: distlab)
 #   MAX_RESTARTS  torchrun --max-restarts (default 0)
+#   DISTLAB_TRACE a folder for a trace of the run (or the argument --trace DIR): DIR/trace.json
 #
 # Listening sockets: one node (NNODES=1) listens on 127.0.0.1 only (rendezvous store,
 # gloo, NCCL bootstrap); several nodes listen on MASTER_ADDR (the store) and on the
@@ -123,6 +124,7 @@ if [[ -n "${MASTER_ADDR+set}" ]]; then
   fi
 fi
 
+caller_dir=$PWD  # relative paths given by the user (--trace DIR) are theirs, not the checkout's
 cd "$(dirname "$0")"
 args=(--nproc_per_node="$NPROC" --max_restarts="$MAX_RESTARTS")
 if [[ "$NNODES" == "1" ]]; then
@@ -145,8 +147,22 @@ fi
 # Arguments for the mode: empty ones dropped (docker-compose passes RUN_ARGS="" as one), and
 # the checkpointing modes write to $CHECKPOINT_DIR (the compose/cluster shared volume) unless
 # the arguments name a directory themselves.
+# --trace DIR (any mode): every rank's communication and compute over time, merged into
+# DIR/trace.json for Perfetto (distlab/trace.py); the same as DISTLAB_TRACE=DIR.
 mode_args=()
-for a in "$@"; do [[ -n "$a" ]] && mode_args+=("$a"); done
+while (( $# )); do
+  case "$1" in
+    --trace) [[ $# -ge 2 && -n "$2" ]] || bad "--trace needs a folder: --trace DIR (DIR/trace.json is written)"
+             DISTLAB_TRACE=$2; shift 2; continue ;;
+    --trace=*) DISTLAB_TRACE=${1#--trace=}; shift; continue ;;
+  esac
+  [[ -n "$1" ]] && mode_args+=("$1")
+  shift
+done
+if [[ -n "${DISTLAB_TRACE:-}" ]]; then
+  [[ "$DISTLAB_TRACE" == /* ]] || DISTLAB_TRACE=$caller_dir/$DISTLAB_TRACE
+  mkdir -p "$DISTLAB_TRACE" && export DISTLAB_TRACE
+fi
 if [[ -n "${CHECKPOINT_DIR:-}" ]]; then
   case "$RUN_MODE" in
     imagenet) flag=--checkpoint-dir ;;

@@ -128,6 +128,9 @@ def check(command: str) -> str | None:
             return f"RUN_MODE={mode} is not in entrypoint.sh's table"
         if env.get("IMPL", "solutions") not in ("solutions", "templates"):
             return f"IMPL={env['IMPL']} is neither solutions nor templates"
+        # entrypoint.sh's own argument (a trace of any mode) never reaches the mode
+        rest = [w for i, w in enumerate(rest) if w != "--trace" and not w.startswith("--trace=")
+                and (i == 0 or rest[i - 1] != "--trace")]
         return _check_args(modes[mode], rest)
     if tool in ("python", "python3", "torchrun"):
         if "-m" not in rest:

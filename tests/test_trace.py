@@ -57,16 +57,21 @@ def comm_of(events: list[dict], pid: int) -> dict[str, dict[str, int]]:
     return {op: {"calls": calls[op], "bytes": nbytes[op]} for op in sorted(calls)}
 
 
-def run_mode(mode: str, folder: Path, *args: str) -> Path:
-    env = dict(os.environ, RUN_MODE=mode, NPROC="2", DISTLAB_TRACE=str(folder), DISTLAB_IMPL="solutions",
-               IMPL="solutions")
+def run_mode(mode: str, folder: Path, *args: str, flag: bool = False) -> Path:
+    """``RUN_MODE=mode ./entrypoint.sh args`` traced into ``folder``: by DISTLAB_TRACE, or by ``--trace`` (flag)."""
+    env = {k: v for k, v in os.environ.items() if k != "DISTLAB_TRACE"}
+    env.update(RUN_MODE=mode, NPROC="2", DISTLAB_IMPL="solutions", IMPL="solutions")
+    if flag:
+        args = ("--trace", str(folder), *args)
+    else:
+        env["DISTLAB_TRACE"] = str(folder)
     proc = subprocess.run(["./entrypoint.sh", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return folder / "trace.json"
 
 
 def test_ring_allreduce_mode_trace_matches_its_ledger_and_the_ring(tmp_path: Path):
-    path = run_mode("ring_allreduce", tmp_path, "--sizes-mb", "0.01", "--repeats", "2")
+    path = run_mode("ring_allreduce", tmp_path, "--sizes-mb", "0.01", "--repeats", "2", flag=True)
     events = validate(path)
     ledgers = json.loads(path.read_text())["otherData"]["ledger_per_pid"]
     W, n = 2, int(0.01 * (1 << 20)) // 4 * 4  # the demo's tensor, in bytes
