@@ -8,6 +8,14 @@ writes files can only spoil the scratch copy), and must score 0 for its exercise
 one-line reason. Cheats on different template files share a grading run (four per run), three runs go side by
 side, and each exercise runs one cheap test (-k): the reason is what is checked, not the whole exercise.
 What stops each one is in README.md's grading section.
+
+The tests that grade whole submissions (the catalogue, the locked-down bundle, untouched, honest
+and duplicate uploads: about a minute of grading runs) form the catalogue tier: marked
+``catalogue`` and skipped unless DISTLAB_CATALOGUE=1, which ``.ci/run`` sets for its own run after
+the main suite, timed apart as the cluster tier is. The rules, the import guard and the verdict's
+process run in the main suite.
+
+    DISTLAB_CATALOGUE=1 python -m pytest -m catalogue tests/test_cheats.py
 """
 from __future__ import annotations
 
@@ -24,6 +32,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 CHEATS = REPO / "tests" / "cheats"
+CATALOGUE_ENV = "DISTLAB_CATALOGUE"
+catalogue = pytest.mark.catalogue
+only_in_the_tier = pytest.mark.skipif(
+    os.environ.get(CATALOGUE_ENV) != "1",
+    reason=f"the catalogue tier grades whole submissions through run_autograder (about a minute): run it with "
+           f"{CATALOGUE_ENV}=1 python -m pytest -m catalogue tests/test_cheats.py (.ci/run does, after the main suite)")
 
 # Template file -> (exercise, the one test run for it).
 GRADED = {
@@ -140,6 +154,8 @@ def round_results(source, tmp_path_factory) -> list[dict]:
     return results
 
 
+@catalogue
+@only_in_the_tier
 @pytest.mark.timeout(400)  # the first one grades every round
 @pytest.mark.parametrize("round_", range(len(ROUNDS)), ids=lambda i: "+".join(ROUNDS[i]))
 def test_each_cheat_scores_zero_with_its_reason(round_, round_results, source):
@@ -188,6 +204,8 @@ CHECKPOINT = {"4.1 atomic checksummed save": "save_file_roundtrip_matches_torch_
               "4.4 checkpoint manager": "manager_falls_back_to_newest_good_checkpoint and 2"}
 
 
+@catalogue
+@only_in_the_tier
 def test_untouched_templates_grade_and_an_honest_submission_scores(source, tmp_path):
     """Nothing submitted but untouched templates: 0, no crash. Finished regions copied in: full marks."""
     honest = finished("phase1_data_parallel", "data_loader", tmp_path)
@@ -206,6 +224,8 @@ def test_untouched_templates_grade_and_an_honest_submission_scores(source, tmp_p
         assert by_name[e]["score"] == by_name[e]["max_score"] > 0, by_name[e]
 
 
+@catalogue
+@only_in_the_tier
 def test_duplicate_uploads_are_refused_naming_both(source, tmp_path):
     first = REPO / "phase1_data_parallel" / "template_collectives.py"
     results = run_autograder(source, tmp_path, {"a/template_collectives.py": first,
@@ -247,6 +267,8 @@ def test_a_graded_rank_started_as_root_cannot_read_root_only_files(tmp_path, mon
     assert run_distributed(_worker_reads_after_drop, 2, str(locked), timeout_s=60) == [("nobody", False)] * 2
 
 
+@catalogue
+@only_in_the_tier
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(os.geteuid() != 0, reason="the root path needs root, as Gradescope runs the grader")
 def test_a_locked_down_bundle_grades_honest_work_and_refuses_a_cheat(tmp_path):

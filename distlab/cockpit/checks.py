@@ -6,7 +6,7 @@ course.test_files, no collection of the suite), with every other exercise's test
 none of its tests is left out. If some did not run (a crash, a timeout), the line says
 "partial" and never shows those points as the exercise's.
 
-Where the time goes for a phase-1 check (benchmarks/bench_check.py): starting Python and
+Where the time goes for a phase-1 check (benchmarks/check_latency.py): starting Python and
 torch in pytest and collecting (~2.7 s of CPU), the rank launcher's forkserver importing torch
 again (~2.7 s of CPU, once per check, only where the tests start ranks), then the tests' worlds.
 Starting that forkserver early, while pytest collects, was measured (1.1-1.3 finished, 6 runs
