@@ -2,13 +2,14 @@
 
 The learner's inner loop: edit, check, read the verdict. Each phase-1 exercise is checked as
 the learner runs it: ``python -m distlab check ID`` in their own checkout (a clone of the
-repository, its templates in two states; a new process each time), and with ``--with-root`` also
-as ``check ID --root COPY`` from another checkout (a copy of the templates only: graded as an
-instructor grades, each test's body in a child process of its own: slower). The two states:
-untouched (every test stops at the TODO: the usual verdict while working) and finished (every
-test runs to the end: the slowest verdict). Runs are interleaved
-(exercise by exercise, each state in turn) so that a change in the machine's load hits them
-alike; the 1-minute load average is recorded around each run, since the machine may be shared.
+repository, its templates in two states; a new process each time), and with ``--warm`` by the
+checkout's warm launcher (started once before the runs, as a learner's first warm check starts
+it). With ``--with-root`` also as ``check ID --root COPY`` from another checkout (a copy of the
+templates only: graded as an instructor grades, each test's body in a child of its own: slower).
+The two states: untouched (every test stops at the TODO: the usual verdict while working) and
+finished (every test runs to the end: the slowest verdict). Runs are interleaved (exercise by
+exercise, each state in turn) so that a change in the machine's load hits them alike; the
+1-minute load average is recorded around each run, since the machine may be shared.
 
     python -m benchmarks.check_latency [--runs 5] [--quick]
 
@@ -51,13 +52,14 @@ def learner_checkout(dest: Path, finished: set[str]) -> Path:
     return student_copy(dest, finished)  # the templates, over the clone's
 
 
-def timed_check(key: str, root: Path, in_checkout: bool) -> tuple[float, float, int, tuple[float, float]]:
+def timed_check(key: str, root: Path, in_checkout: bool,
+                warm: bool = False) -> tuple[float, float, int, tuple[float, float]]:
     """Wall seconds, CPU seconds (the check and every process it started, reaped: pytest, the
     forkserver, the ranks), exit code, and the 1-minute load average before and after."""
     before, cpu = os.getloadavg()[0], _children_cpu_s()
     start = time.perf_counter()
     if in_checkout:  # the learner's own clone: its distlab, its tests, its templates
-        cmd, cwd = [sys.executable, "-m", "distlab", "check", key], root
+        cmd, cwd = [sys.executable, "-m", "distlab", "check", key, *(["--warm"] if warm else [])], root
         env = dict(os.environ, PYTHONPATH=str(root))
     else:
         cmd, cwd, env = [sys.executable, "-m", "distlab", "check", key, "--root", str(root)], REPO, None
@@ -84,27 +86,43 @@ def main(argv: list[str] | None = None) -> None:
         roots = {"finished": (learner_checkout(Path(tmp) / "finished", ids), True)}
         if not args.quick:
             roots["untouched"] = (learner_checkout(Path(tmp) / "untouched", set()), True)
+        for state in list(roots):  # the same checkouts, checked by their warm launcher (started below)
+            roots[f"{state}, --warm"] = (*roots[state], True)
         if args.with_root:
             roots["finished, --root"] = (student_copy(Path(tmp) / "finished-root", ids), False)
             roots["untouched, --root"] = (student_copy(Path(tmp) / "untouched-root", set()), False)
-        plan = [(ex, state) for ex in exercises for state in roots]
-        for run in range(runs):
-            for ex, state in plan:
-                name = f"{ex.key} {state}"
-                seconds, cpu_s, rc, load = timed_check(ex.key, *roots[state])
-                case = cases.setdefault(name, {"exercise": ex.name, "state": state, "seconds": [],
-                                               "cpu_seconds": [], "load_1min": [], "unexpected_verdicts": 0})
-                # a finished copy must pass (exit 0), an untouched one fail (1); printed above if not
-                case["unexpected_verdicts"] += rc != (0 if state.startswith("finished") else 1)
-                case["seconds"].append(round(seconds, 2))
-                case["cpu_seconds"].append(round(cpu_s, 2))
-                case["load_1min"].append([round(x, 2) for x in load])
-                print(f"run {run + 1}/{runs}  {name:<42} {seconds:6.2f} s  cpu {cpu_s:6.2f} s   "
-                      f"load {load[0]:.1f} -> {load[1]:.1f}", flush=True)
+        warm_roots = sorted({r for r, _, *warm in roots.values() if warm})
+        learner_env = {r: dict(os.environ, PYTHONPATH=str(r)) for r in warm_roots}
+        try:
+            for root in warm_roots:  # started once, as a learner's first warm check does (~2 s, not timed)
+                subprocess.run([sys.executable, "-m", "distlab", "warm"], cwd=root, env=learner_env[root],
+                               check=True, capture_output=True)
+            plan = [(ex, state) for ex in exercises for state in roots]
+            for run in range(runs):
+                for ex, state in plan:
+                    name = f"{ex.key} {state}"
+                    seconds, cpu_s, rc, load = timed_check(ex.key, *roots[state])
+                    if state.endswith("--warm"):  # the work is the server's child, not ours: wall time only
+                        cpu_s = None
+                    case = cases.setdefault(name, {"exercise": ex.name, "state": state, "seconds": [],
+                                                   "cpu_seconds": [], "load_1min": [], "unexpected_verdicts": 0})
+                    # a finished copy must pass (exit 0), an untouched one fail (1); printed above if not
+                    case["unexpected_verdicts"] += rc != (0 if state.startswith("finished") else 1)
+                    case["seconds"].append(round(seconds, 2))
+                    case["cpu_seconds"].append(None if cpu_s is None else round(cpu_s, 2))
+                    case["load_1min"].append([round(x, 2) for x in load])
+                    cpu = "    -  " if cpu_s is None else f"{cpu_s:6.2f} s"
+                    print(f"run {run + 1}/{runs}  {name:<42} {seconds:6.2f} s  cpu {cpu}   "
+                          f"load {load[0]:.1f} -> {load[1]:.1f}", flush=True)
+        finally:
+            for root in warm_roots:
+                subprocess.run([sys.executable, "-m", "distlab", "warm", "--stop"], cwd=root, env=learner_env[root],
+                               capture_output=True)
     for case in cases.values():
         s = case["seconds"]
+        cpu = [c for c in case["cpu_seconds"] if c is not None]
         case.update(median_s=statistics.median(s), min_s=min(s), max_s=max(s),
-                    median_cpu_s=statistics.median(case["cpu_seconds"]))
+                    median_cpu_s=statistics.median(cpu) if cpu else None)
     loads = [x for c in cases.values() for pair in c["load_1min"] for x in pair]
     path = write_result("check_latency", {
         "target_s": TARGET_S, "runs": runs, "cases": cases,
@@ -115,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
                 "half of that); untouched: every test stops at the TODO; finished: every test runs"})
     print(f"\n{'case':<44} {'median':>8} {'min':>7} {'max':>7} {'cpu':>7}")
     for name, c in cases.items():
-        print(f"{name:<44} {c['median_s']:7.2f}s {c['min_s']:6.2f}s {c['max_s']:6.2f}s {c['median_cpu_s']:6.2f}s")
+        cpu = "      -" if c["median_cpu_s"] is None else f"{c['median_cpu_s']:6.2f}s"
+        print(f"{name:<44} {c['median_s']:7.2f}s {c['min_s']:6.2f}s {c['max_s']:6.2f}s {cpu}")
     print(f"load average (1 min) during the runs: {min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} cores")
     print(f"wrote {path}")
 

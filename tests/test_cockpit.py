@@ -180,3 +180,45 @@ def test_check_ties_pytest_to_the_cockpit():
     from distlab.procs import TIE_ENV
 
     assert checks.TIE_ENV == TIE_ENV
+
+
+@pytest.mark.timeout(200)
+def test_warm_checks_see_each_save_agree_with_a_cold_check_and_leave_nothing(tmp_path: Path):
+    """``check --warm`` in a learner's own checkout (a clone: its distlab, tests and templates): the
+    server forks a fresh pytest per check, so a save between two warm checks is seen; its verdicts are
+    the cold check's; ranks start from its forkserver (1.1-1.3 at W=1-4); ``warm --stop`` ends it all."""
+    from distlab.cockpit import warm
+
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    clone = tmp_path / "clone"
+    for rel in files:
+        if (REPO / rel).is_file():
+            (clone / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, clone / rel)
+    env = {**{k: v for k, v in __import__("os").environ.items() if k != "PYTEST_ADDOPTS"}, "PYTHONPATH": str(clone)}
+
+    def run(*args: str, expect: int) -> str:
+        proc = subprocess.run([sys.executable, "-m", "distlab", *args], cwd=clone, env=env, capture_output=True,
+                              text=True, timeout=150)
+        assert proc.returncode == expect, f"distlab {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}{proc.stderr}"
+        return proc.stdout
+
+    def server_pid() -> int:
+        return warm._request(warm.socket_path(clone), {"op": "ping"}, 5.0)["pid"]
+
+    try:
+        cold = run("check", "1.4-1.5", expect=1)
+        first = run("check", "1.4-1.5", "--warm", expect=1)  # starts the server
+        pid = server_pid()
+        assert first.splitlines()[-1] == cold.splitlines()[-1] == \
+            "1.4-1.5 distributed sampler: 0/5 tests, 0.00/2 points, failing"
+        solve(clone, {"1.1", "1.2", "1.3", "1.4", "1.5"})  # a save: the next warm check must see it
+        assert run("check", "1.4-1.5", "--warm", expect=0).splitlines()[-1] == \
+            "1.4-1.5 distributed sampler: 5/5 tests, 2.00/2 points, passing"
+        assert run("check", "1.1-1.3", "--warm", expect=0).splitlines()[-1] == \
+            "1.1-1.3 all-reduce three ways: 15/15 tests, 3.00/3 points, passing"
+        assert server_pid() == pid, "each check started a server of its own"
+    finally:
+        run("warm", "--stop", expect=0)
+    left = subprocess.run(["pgrep", "-f", f"cockpit.warm --serve {clone}"], capture_output=True, text=True).stdout
+    assert not left.strip() and not warm.socket_path(clone).exists(), f"the warm launcher outlived --stop: {left}"

@@ -45,10 +45,13 @@ def pytest_command(ex: Exercise, root: Path, results: Path, repo: Path = REPO) -
     return cmd
 
 
-def run_check(ex: Exercise, root: Path, trace_dir: Path | None = None, repo: Path = REPO) -> dict:
+def run_check(ex: Exercise, root: Path, trace_dir: Path | None = None, repo: Path = REPO,
+              warm: bool = False) -> dict:
     """Run ``ex``'s tests; return {"passed", "total", "points", "weight", "partial", "tests": [...]}.
 
     ``trace_dir``: every world the tests start writes its ranks' trace there (distlab.trace).
+    ``warm``: run them in the checkout's warm launcher (distlab/cockpit/warm.py), started if none
+    answers; only in the learner's own checkout (``--root`` elsewhere grades as an instructor does).
     """
     from distlab.bugs import EXERCISES_ENV
 
@@ -61,8 +64,13 @@ def run_check(ex: Exercise, root: Path, trace_dir: Path | None = None, repo: Pat
 
             shutil.rmtree(Path(trace_dir) / RAW, ignore_errors=True)  # this check's worlds only
             env[TRACE_ENV] = str(Path(trace_dir).resolve())
-        proc = subprocess.run(pytest_command(ex, root, results, repo), cwd=repo, env=env, capture_output=True,
-                              text=True, timeout=TIMEOUT_S)
+        cmd = pytest_command(ex, root, results, repo)
+        if warm and root.resolve() == repo.resolve():
+            from distlab.cockpit import warm as launcher
+
+            proc = launcher.run(root, repo, cmd, env, repo, TIMEOUT_S)
+        else:
+            proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
         if not results.is_file():
             raise RuntimeError(f"pytest ended ({proc.returncode}) without results for {ex.name}:\n"
                                f"{proc.stdout[-3000:]}{proc.stderr[-2000:]}")

@@ -59,10 +59,10 @@ def next_(root: Path, out: TextIO) -> Exercise | None:
     return ex
 
 
-def check(ident: str, root: Path, out: TextIO, trace_dir: Path | None = None) -> dict:
+def check(ident: str, root: Path, out: TextIO, trace_dir: Path | None = None, warm: bool = False) -> dict:
     ex = course.find(ident)
     print(f"checking {ex.name} on your templates ...", file=out, flush=True)
-    result = checks.run_check(ex, root, trace_dir)
+    result = checks.run_check(ex, root, trace_dir, warm=warm)
     for line in checks.verdict_lines(ex, result):
         print(line, file=out)
     if trace_dir is not None:
@@ -124,11 +124,12 @@ def reset(ident: str, root: Path, out: TextIO) -> list[Path]:
 
 
 def watch(root: Path, out: TextIO, ident: str | None = None, interval_s: float = 0.5, max_checks: int | None = None,
-          clear: bool = True, on_check: Callable[[dict], None] | None = None) -> int:
+          clear: bool = True, on_check: Callable[[dict], None] | None = None, warm: bool = True) -> int:
     """Check the current exercise now and whenever its template changes; move on when it passes.
 
     Polls the template files' modification time and size every ``interval_s`` (no file-watch
     dependency). Returns the number of checks run; stops after ``max_checks`` (tests) or Ctrl-C.
+    In the learner's own checkout the checks run in the warm launcher (``warm``), which ends with the watch.
     """
     ex = course.find(ident) if ident else first_unfinished(root)
     runs, seen = 0, None
@@ -141,7 +142,7 @@ def watch(root: Path, out: TextIO, ident: str | None = None, interval_s: float =
             seen = now
             if clear and out.isatty():
                 out.write("\033[2J\033[H")  # one screen: the latest verdict only
-            result = check(ex.key, root, out)
+            result = check(ex.key, root, out, warm=warm)
             runs += 1
             if on_check:
                 on_check(result)
@@ -154,6 +155,11 @@ def watch(root: Path, out: TextIO, ident: str | None = None, interval_s: float =
             out.flush()
     except KeyboardInterrupt:
         pass
+    finally:
+        if warm and root.resolve() == course.REPO.resolve():
+            from distlab.cockpit import warm as launcher
+
+            launcher.stop(root)
     return runs
 
 
@@ -171,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id", help="an exercise (1.1-1.3) or one of its TODO ids (1.2)")
     p.add_argument("--trace", type=Path, default=None, metavar="DIR",
                    help="write a Perfetto/Chrome trace of every world the tests start to DIR/trace.json")
+    p.add_argument("--warm", action="store_true",
+                   help="keep torch, pytest and the ranks' launcher loaded between checks (a server in .distlab/; "
+                        "`python -m distlab warm --stop` ends it, 10 idle minutes too)")
+    p = sub.add_parser("warm", parents=[common], help="the warm launcher of check --warm")
+    p.add_argument("--stop", action="store_true", help="end it")
     p = sub.add_parser("hint", parents=[common], help="the next hint you have not seen")
     p.add_argument("id")
     p.add_argument("--again", action="store_true", help="start from the first hint")
@@ -178,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id", nargs="?", default=None, help="default: the first unfinished exercise")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between looks at the file")
     p.add_argument("--max-checks", type=int, default=None, help="stop after this many checks")
+    p.add_argument("--cold", action="store_true", help="a new pytest for every check, not the warm launcher")
     p = sub.add_parser("reset", parents=[common], help="put a TODO region (1.2) or all of an exercise's (1.1-1.3) back to its stub")
     p.add_argument("id")
     return parser
@@ -193,11 +205,18 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "next":
             next_(root, out)
         elif args.command == "check":
-            return 0 if checks.passed(check(args.id, root, out, args.trace)) else 1
+            return 0 if checks.passed(check(args.id, root, out, args.trace, args.warm)) else 1
+        elif args.command == "warm":
+            from distlab.cockpit import warm
+
+            if args.stop:
+                print("the warm launcher " + ("stopped" if warm.stop(root) else "was not running"), file=out)
+            else:
+                print(f"the warm launcher listens on {warm.ensure_server(root, course.REPO)}", file=out)
         elif args.command == "hint":
             hint(args.id, root, out, args.again)
         elif args.command == "watch":
-            watch(root, out, args.id, args.interval, args.max_checks)
+            watch(root, out, args.id, args.interval, args.max_checks, warm=not args.cold)
         elif args.command == "reset":
             reset(args.id, root, out)
     except ValueError as exc:
