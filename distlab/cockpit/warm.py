@@ -43,12 +43,10 @@ def _request(path: Path, message: dict, timeout_s: float | None) -> dict:
         s.settimeout(timeout_s)
         s.connect(str(path))
         s.sendall(json.dumps(message).encode() + b"\n")
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                raise ConnectionError("the warm launcher closed the connection without an answer")
-            data += chunk
+        with s.makefile("rb") as answer:  # one line of JSON back
+            data = answer.readline()
+    if not data.endswith(b"\n"):
+        raise ConnectionError("the warm launcher closed the connection without an answer")
     return json.loads(data)
 
 
