@@ -73,9 +73,20 @@ ROUNDS = [
 ]
 
 
-def cheat_file(name: str) -> Path:
+APPENDED = "# Appended to the untouched template"  # a cheat that is the template plus its own lines
+
+
+def cheat_file(name: str, into: Path | None = None) -> Path:
+    """The cheat's upload; one that starts with APPENDED is written whole into ``into`` (the untouched
+    template as generated now, then the cheat's lines), so it never drifts from the template."""
     (path,) = (CHEATS / name).glob("template_*.py")
-    return path
+    if into is None or not path.read_text().startswith(APPENDED):
+        return path
+    (template,) = REPO.glob(f"phase*/{path.name}")
+    whole = into / name / path.name
+    whole.parent.mkdir(parents=True, exist_ok=True)
+    whole.write_text(f"{template.read_text()}\n\n{path.read_text()}")
+    return whole
 
 
 def test_every_cheat_is_graded_in_a_round():
@@ -142,9 +153,9 @@ def round_results(source, tmp_path_factory) -> list[dict]:
     """Every round graded, AT_ONCE at a time (the catalogue's cost is these runs)."""
     results, running = [None] * len(ROUNDS), []
     for i, round_ in enumerate(ROUNDS):
-        files = {f"{name}/{cheat_file(name).name}": cheat_file(name) for name in round_}
-        graded = [GRADED[cheat_file(name).name] for name in round_]
         root = tmp_path_factory.mktemp(f"round{i}")
+        files = {f"{name}/{cheat_file(name).name}": cheat_file(name, root / "cheats") for name in round_}
+        graded = [GRADED[cheat_file(name).name] for name in round_]
         running.append((i, root, start_autograder(source, root, files, [e for e, _ in graded],
                                                   " or ".join(f"({k})" for _, k in graded))))
         if len(running) == AT_ONCE or i == len(ROUNDS) - 1:
@@ -326,10 +337,11 @@ def test_no_template_may_import_the_bench_copy_of_its_own_exercise(tmp_path):
     from distlab.templates import sources
 
     bench = {}
-    for path in sorted((REPO / "distlab").glob("*.py")):
+    for path in sorted((REPO / "distlab").rglob("*.py")):  # distlab.lessons holds the given copies
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts)
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                bench.setdefault(node.name, []).append(f"distlab.{path.stem}")
+                bench.setdefault(node.name, []).append(module)
     for solution in sources():
         text = solution.read_text()
         for node in ast.parse(text).body:

@@ -187,15 +187,13 @@ def test_warm_checks_see_each_save_agree_with_a_cold_check_and_leave_nothing(tmp
     """``check --warm`` in a learner's own checkout (a clone: its distlab, tests and templates): the
     server forks a fresh pytest per check, so a save between two warm checks is seen; its verdicts are
     the cold check's; ranks start from its forkserver (1.1-1.3 at W=1-4); ``warm --stop`` ends it all."""
+    import os
+
+    from benchmarks.check_latency import learner_checkout
     from distlab.cockpit import warm
 
-    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    clone = tmp_path / "clone"
-    for rel in files:
-        if (REPO / rel).is_file():
-            (clone / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / rel, clone / rel)
-    env = {**{k: v for k, v in __import__("os").environ.items() if k != "PYTEST_ADDOPTS"}, "PYTHONPATH": str(clone)}
+    clone = learner_checkout(tmp_path / "clone", set())  # the untouched templates, as generated
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}, "PYTHONPATH": str(clone)}
 
     def run(*args: str, expect: int) -> str:
         proc = subprocess.run([sys.executable, "-m", "distlab", *args], cwd=clone, env=env, capture_output=True,

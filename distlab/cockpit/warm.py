@@ -137,7 +137,7 @@ def _check_in_child(request: dict) -> int:
     return int(code)
 
 
-def serve(path: Path, repo: Path) -> None:
+def serve_checks(path: Path, repo: Path) -> None:
     import multiprocessing.forkserver as forkserver
 
     import pytest  # noqa: F401 (imported once here, so that no check imports it again)
@@ -194,6 +194,6 @@ def serve(path: Path, repo: Path) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--serve":
-        serve(Path(sys.argv[2]), Path(sys.argv[3]))
+        serve_checks(Path(sys.argv[2]), Path(sys.argv[3]))
     else:
         raise SystemExit("usage: python -m distlab.cockpit.warm --serve SOCKET REPO (started by check --warm)")
