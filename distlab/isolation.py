@@ -50,9 +50,14 @@ RIGGING_DUNDERS = {"__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "
                    "__getattr__", "__del__", "__init_subclass__", "__instancecheck__", "__subclasscheck__",
                    "__set_name__", "__reduce__", "__reduce_ex__", "__class_getitem__", "__array__"}
 # Attributes that lead out of the template: frames, and the modules other modules hold.
+# A module another module imported is one attribute away (``torch.serialization.os``): the ones that
+# reach file descriptors, processes and the interpreter are refused by name too (``os.write`` into the
+# rank's result pipe and ``os._exit`` are no audit events, distlab/sandbox.py cannot see them).
 HATCH_ATTRS = {"f_back", "f_globals", "f_locals", "f_builtins", "f_code", "gi_frame", "cr_frame", "ag_frame",
                "tb_frame", "tb_next", "sys", "builtins", "importlib", "gc", "inspect", "ctypes", "runpy",
-               "subprocess", "loader", "modules", "solutions"}
+               "subprocess", "loader", "modules", "solutions", "os", "posix", "_exit", "pickle", "_pickle", "io",
+               "_io", "socket", "shutil", "multiprocessing", "threading", "_thread", "signal", "mmap", "fcntl",
+               "resource", "tempfile", "marshal"}
 
 
 # The bench's given copies of taught functions: a later exercise gets them from distlab, and the
@@ -103,7 +108,7 @@ def _findings(tree: ast.AST) -> tuple[set[tuple], list[tuple[int, tuple, str]]]:
             attr = node.args[1]
             if not (isinstance(attr, ast.Constant) and isinstance(attr.value, str)):
                 hatches.append((line, ("computed attribute", node.func.id), f"`{node.func.id}` with a computed name"))
-            elif attr.value.startswith("__"):
+            elif attr.value.startswith("__") or attr.value in HATCH_ATTRS:
                 hatches.append((line, ("attribute", attr.value), f"`{node.func.id}(..., {attr.value!r})`"))
             if node.func.id in ("setattr", "delattr") and _root(node.args[0]) in imported_names:
                 hatches.append((line, ("patch", _root(node.args[0])),

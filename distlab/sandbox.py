@@ -18,6 +18,7 @@ the learner's code catches the exception.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 from pathlib import Path
@@ -89,8 +90,12 @@ def _changed_paths(event: str, args: tuple) -> list[str]:
 def _refusal(event: str, args: tuple) -> str | None:
     if event == "open":
         path, mode = args[0], args[1] if len(args) > 1 else "r"
+        if isinstance(path, int) and not isinstance(path, bool):  # os.fdopen, open(fd): a pipe the bench holds
+            return f"open file descriptor {path}" if _learner_on_stack(False) else None
         if not isinstance(path, (str, bytes)):
             return None
+        if re.match(r"/(proc/[^/]+|dev)/fd/", os.fsdecode(path)):  # the same pipes, by their /proc name
+            return f"open {os.fsdecode(path)!r}" if _learner_on_stack(False) else None
         if not os.path.isabs(os.fsdecode(path)) and not _learner_on_stack(True):
             return None  # relative to a directory fd (the event does not say which): the stdlib's, not the learner's
         path = _resolve(path) or ""

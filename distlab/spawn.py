@@ -54,7 +54,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from distlab import doctor, p2p, sandbox, trace
+from distlab import doctor, p2p, sandbox, testing, trace
 from distlab.devices import loopback_interface, resolve_backend
 from distlab.procs import (_PR_SET_CHILD_SUBREAPER, _PR_SET_PDEATHSIG, RUN_MARKER_ENV, _descendants, _prctl,
                            kill_process_tree, marked_environ)
@@ -145,6 +145,8 @@ def _child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s
     # torch read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it: follow the launcher's now
     # (a forkserver started under DETAIL kept wrapping every later run's groups; DDP then crashed).
     dist.set_debug_level_from_env()
+    if env.get(testing.RECORD_ENV):
+        testing.start_recording()  # a grading run: this rank's checks go back with its result (distlab/verdict.py)
     sandbox.enter_rank(store_path, doctor_path)  # a graded run: the audit hook is in before learner code loads
     if alive is not None:
         _drop_forkserver_alive_fd()
@@ -172,7 +174,7 @@ def _child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s
         trace.start_rank(rank, world_size)  # DISTLAB_TRACE=DIR: this rank's communication over time (distlab/trace.py)
         result = fn(rank, world_size, *args, **kwargs)
         p2p.flush_size_checks()  # headers still in flight (CUDA's deferred check) are read before "ok"
-        message = ("ok", result)
+        message = ("ok", result, testing.take_records() if testing.recording() else None)
     except BaseException as exc:  # reported to the parent, never swallowed
         message = ("error", type(exc).__module__, type(exc).__qualname__, str(exc),
                    traceback.format_exc(), isinstance(exc, LearnerTODO))
@@ -403,6 +405,7 @@ def _collect(procs, readers, timeout_s: float, watch: _Watch) -> list[Any]:
     errors: dict[int, BaseException] = {}
     finished: dict[int, str] = {}  # rank -> how it ended, for the doctor's table
     pending = set(range(len(procs)))
+    checks: dict[int, list[dict]] = {}  # a grading run's records, per rank (distlab/testing.py)
 
     def receive(rank: int) -> None:
         pending.discard(rank)
@@ -415,8 +418,14 @@ def _collect(procs, readers, timeout_s: float, watch: _Watch) -> list[Any]:
             errors[rank] = RankError(f"rank {rank} died ({how}) without reporting a result")
             finished[rank] = f"died ({how})"
             return
-        if msg[0] == "ok":
+        if msg[0] == "ok" and testing.recording() and (len(msg) < 3 or not isinstance(msg[2], list)):
+            # Only the launcher's own code sends "ok" with the rank's records: this came from somewhere else.
+            errors[rank] = RankError(f"rank {rank} reported success without the records of its checks (a result "
+                                     "written into the rank's result pipe by other code: the test did not run)")
+            finished[rank] = "forged a result"
+        elif msg[0] == "ok":
             results[rank] = msg[1]
+            checks[rank] = msg[2] if len(msg) > 2 and msg[2] is not None else []
             finished[rank] = "returned"
         else:
             errors[rank] = _rebuild(rank, *msg[1:])
@@ -459,4 +468,6 @@ def _collect(procs, readers, timeout_s: float, watch: _Watch) -> list[Any]:
             if hang is not None:
                 raise hang from first
         raise first
+    for rank in range(len(procs)):
+        testing.add_records(checks[rank], rank)
     return [results[r] for r in range(len(procs))]

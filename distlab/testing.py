@@ -5,7 +5,9 @@ the kind of message every comparison here produces.
 """
 from __future__ import annotations
 
+import os
 import re
+import sys
 
 import torch
 import torch.distributed as dist
@@ -58,12 +60,65 @@ def translate_size_mismatch(text: str, rank: int | None = None, step: int | str 
             f"check the chunk index{at} (off by one?) and the uneven last chunk")
 
 
+# --------------------------------------------------------------------------- checks as records
+# In an instructor's grading run (distlab/verdict.py) the comparisons below are also recorded: the
+# rank (or the test's own process) sends its records back with its result, and the verdict is the
+# pytest process's, which never ran learner code: it compares each recorded actual value with the
+# expected value of the same check in a run of the same test on the reference.
+RECORD_ENV = "DISTLAB_RECORD_CHECKS"
+_records: list[dict] | None = None
+
+
+def start_recording() -> None:
+    """Record every check made from now on in this process (a graded test's child, or its ranks)."""
+    global _records
+    _records = []
+    os.environ[RECORD_ENV] = "1"  # ranks started from here record theirs too (distlab/spawn.py)
+
+
+def recording() -> bool:
+    return _records is not None
+
+
+def take_records() -> list[dict]:
+    """The checks recorded so far, in order, and a fresh list for the next ones."""
+    global _records
+    out, _records = (_records or []), ([] if _records is not None else None)
+    return out
+
+
+def add_records(records: list[dict], rank: int) -> None:
+    """A rank's records (run_distributed), after this process's own, tagged with the rank."""
+    if _records is not None:
+        _records.extend({**r, "rank": rank if r["rank"] is None else r["rank"]} for r in records)
+
+
+def _site() -> str:
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}" if frame is not None else "?"
+
+
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+def _record(what: str, actual: torch.Tensor, expected: torch.Tensor, rtol, atol, baseline: bool) -> None:
+    if _records is not None:
+        _records.append({"site": _site(), "what": what, "rank": None, "actual": _kept(actual),
+                         "expected": _kept(expected), "rtol": rtol, "atol": atol, "baseline": baseline})
+
+
 def assert_tensors_close(actual: torch.Tensor, expected: torch.Tensor, what: str,
-                         rtol: float | None = None, atol: float | None = None) -> None:
+                         rtol: float | None = None, atol: float | None = None, *, baseline: bool = True) -> None:
     """``torch.testing.assert_close`` with ``what`` (rank, step, name) leading the message.
 
-    rtol=atol=0 demands bitwise equality (use where no sum is reordered).
+    rtol=atol=0 demands bitwise equality (use where no sum is reordered). ``baseline=False`` where
+    ``expected`` is the learner's own result too (a resumed model against the one it was saved from):
+    a grading run then checks the pair as it was recorded instead of against the reference's baseline.
     """
+    _record(what, actual, expected, rtol, atol, baseline)
     if actual.shape != expected.shape:
         raise AssertionError(f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
     try:
@@ -75,16 +130,17 @@ def assert_tensors_close(actual: torch.Tensor, expected: torch.Tensor, what: str
 
 def assert_models_close(actual: nn.Module, expected: nn.Module, *, rank: int, step: int | str,
                         rtol: float | None = None, atol: float | None = None,
-                        buffers: bool = True) -> None:
+                        buffers: bool = True, baseline: bool = True) -> None:
     """Every parameter (and floating buffer) of ``actual`` is close to ``expected``'s, by name."""
     exp_params = dict(expected.named_parameters())
     for name, p in actual.named_parameters():
-        assert_tensors_close(p, exp_params[name], f"rank {rank}, step {step}, parameter {name}", rtol, atol)
+        assert_tensors_close(p, exp_params[name], f"rank {rank}, step {step}, parameter {name}", rtol, atol,
+                             baseline=baseline)
     if buffers:
         exp_buffers = dict(expected.named_buffers())
         for name, b in actual.named_buffers():
             assert_tensors_close(b.to(exp_buffers[name].dtype), exp_buffers[name],
-                                 f"rank {rank}, step {step}, buffer {name}", rtol, atol)
+                                 f"rank {rank}, step {step}, buffer {name}", rtol, atol, baseline=baseline)
 
 
 def assert_grads_close(actual: nn.Module, expected: nn.Module, *, rank: int, step: int | str,
@@ -112,6 +168,7 @@ def assert_ranks_identical(model: nn.Module, *, step: int | str = "end", group=N
         for name, t in named:
             ref = t.detach().clone()
             dist.broadcast(ref, src=src, group=group)
+            _record(f"step {step}: rank {rank} {kind} {name} vs rank 0's", t, ref, 0, 0, baseline=False)
             if not torch.equal(t.detach(), ref):
                 raise AssertionError(f"ranks diverged at step {step}: rank {rank} {kind} {name} "
                                      f"differs from rank 0 by {max_abs_diff(t, ref):.3e}")

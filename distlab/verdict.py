@@ -1,20 +1,37 @@
-"""In a graded run, each graded test's body runs in a forked child; pytest's process only reads its outcome.
+"""In a graded run the verdict is pytest's process's: the learner's code runs in forked children, which
+report what they checked; pytest's process, which never ran learner code, compares.
 
-The learner's code is loaded where the test body runs. Tests whose ranks load it already keep it
-out of pytest's process (distlab/spawn.py), but single-process tests (the sampler, the checkpoint
-file format, ...) would load it into pytest itself: a patch made there would outlive the test and
-reach every exercise graded after it, and the verdicts would be written by a process that ran the
-learner's code. Here the body runs in a child forked for the test (fixtures were set up by pytest
-first, so tmp_path and monkeypatch work as usual); the child sends back one message (passed, skipped,
-or the exception's type, message and rank traceback) and exits; pytest raises it again from that
-message. The parent never imports a template: ``load()`` in it refuses to (distlab/loader.py).
+1. Each graded test's body runs in a child forked for the test (fixtures were set up by pytest first,
+   so tmp_path and monkeypatch work as usual). Tests whose ranks load the template keep it out of
+   pytest's process already (distlab/spawn.py); single-process tests (the sampler, the checkpoint file
+   format, ...) would load it into pytest itself, where a patch would outlive the test. ``load()`` in
+   pytest's process refuses a template (distlab/loader.py).
+2. Every comparison the test makes through distlab.testing (``assert_tensors_close`` and the helpers on
+   it, ``assert_ranks_identical``) is recorded where it is made, in a rank or in the child: the actual
+   value, the expected value, the tolerance, the test line. Ranks send their records with their result
+   (a result without them is refused: it did not come from the launcher), the child sends all of them
+   with its outcome.
+3. A test that failed fails. A test that passed is run again on the reference, in a child where no
+   learner code runs (or its records are read from the cache, filled by ``pytest --record-reference``
+   when the autograder is built). :func:`compare` then asks, here: did the graded run make the same
+   checks at the same lines, and is each actual value close to the reference run's expected value, its
+   baseline, with the reference run's tolerance? A rank whose comparison was switched off, whose
+   baseline was bent to its wrong answer, or that wrote a forged "ok" and left before the checks, fails.
+
+What stays with the child: assertions written as plain ``assert`` (counts, bytes, timings, structure)
+run where the learner's code ran, and only their outcome comes back.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import pickle
+import shutil
+import tempfile
 import threading
 import traceback
+from pathlib import Path
 
 import pytest
 
@@ -29,9 +46,16 @@ def _die_when_parent_does(fd: int) -> None:
     os._exit(1)
 
 
-def _child_body(item) -> tuple:
+def _child_body(item, impl: str | None = None) -> tuple:
     global IN_CHILD
     IN_CHILD = True
+    from distlab import testing
+    from distlab.loader import IMPL_ENV, STUDENT_DIR_ENV
+
+    if impl is not None:  # the reference run: this process and its ranks load the reference
+        os.environ[IMPL_ENV] = impl
+        os.environ.pop(STUDENT_DIR_ENV, None)
+    testing.start_recording()  # every check this test makes, here and in its ranks, comes back
     try:
         import torch
 
@@ -42,7 +66,7 @@ def _child_body(item) -> tuple:
         forkserver._forkserver.ensure_running = lambda: None
         args = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
         item.obj(**args)
-        return ("passed",)
+        return ("passed", testing.take_records())
     except pytest.skip.Exception as exc:
         return ("skipped", str(exc.msg))
     except BaseException as exc:  # everything goes back to the parent, never swallowed
@@ -51,7 +75,125 @@ def _child_body(item) -> tuple:
 
 
 def run_in_child(item) -> None:
-    """Run ``item``'s test function in a forked child and raise (or return) as it did."""
+    """Run ``item``'s test function in a forked child; raise as it did, or, where it passed, raise unless
+    its recorded checks hold here against the same test run on the reference (:func:`compare`)."""
+    folder = item.funcargs.get("tmp_path")
+    before = _snapshot(folder)
+    try:
+        outcome = _fork(item)
+        if outcome[0] != "passed":
+            _raise(outcome)
+        reference = _cached(item)
+        if reference is None:
+            _restore(folder, before)  # the reference run starts from what the graded one found
+            reference = reference_checks(item)
+        compare(outcome[1], reference)
+    finally:
+        if before is not None:
+            shutil.rmtree(before, ignore_errors=True)
+
+
+def reference_checks(item) -> list[dict]:
+    """The checks ``item`` records on the reference, run now in a forked child, and kept in the cache."""
+    outcome = _fork(item, impl="solutions")
+    if outcome[0] != "passed":
+        raise RuntimeError(f"{item.nodeid}: the same test on the reference did not pass, so the graded run's checks "
+                           f"cannot be verified (a bench problem, not the submission's): {outcome[1:4]}")
+    path = _cache_path(item)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_name(f".{path.name}.{os.getpid()}")
+    scratch.write_bytes(pickle.dumps(outcome[1]))
+    os.replace(scratch, path)  # whole or absent: grading runs side by side share the cache
+    return outcome[1]
+
+
+# The reference's checks depend on the tests, the reference and the bench only, not on the submission:
+# kept per test under the instructor's checkout (root's alone once grading/gradescope/lockdown.sh ran;
+# a learner's code may not write there, distlab/sandbox.py), keyed by a digest of those files.
+REPO = Path(__file__).resolve().parent.parent
+CACHE_ENV = "DISTLAB_REFERENCE_CHECKS"  # another folder for it (default: .distlab/reference-checks)
+
+
+@functools.lru_cache(maxsize=1)
+def _bench_digest() -> str:
+    root = REPO
+    digest = hashlib.sha256()
+    for folder in ("distlab", "solutions", "tests"):
+        for path in sorted((root / folder).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _cache_path(item) -> Path:
+    folder = Path(os.environ.get(CACHE_ENV) or REPO / ".distlab" / "reference-checks")
+    key = hashlib.sha256(item.nodeid.encode() + b"\0" + Path(item.path).read_bytes()).hexdigest()[:24]
+    return folder / _bench_digest() / f"{key}.pickle"
+
+
+def _cached(item) -> list[dict] | None:
+    try:
+        return pickle.loads(_cache_path(item).read_bytes())
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return None
+
+
+def _snapshot(folder) -> str | None:
+    """A copy of the test's tmp_path as its fixtures left it (they may have written data there)."""
+    if folder is None or not os.path.isdir(folder):
+        return None
+    copy = tempfile.mkdtemp(prefix="distlab-verdict-")
+    shutil.copytree(folder, os.path.join(copy, "tmp"), symlinks=True)
+    return copy
+
+
+def _restore(folder, copy: str | None) -> None:
+    if copy is None:
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(os.path.join(copy, "tmp"), folder, symlinks=True)
+
+
+def compare(graded: list[dict], reference: list[dict]) -> None:
+    """The verdict, made here, in a process that never ran learner code.
+
+    ``graded``: the checks the graded test recorded (its ranks' and its own, in order: distlab/testing.py),
+    each an actual value, an expected one and a tolerance. ``reference``: the same test's checks on the
+    reference, where no learner code ran. The two runs must make the same checks at the same places; each
+    actual value must then be close to the reference run's expected value (its baseline, computed where the
+    learner's code could not touch it), with the reference run's tolerance. A check whose expected value
+    is the learner's own result too (``baseline=False``) is checked as recorded.
+    """
+    import torch
+
+    from distlab.testing import diagnose, max_abs_diff
+
+    def where(r: dict) -> str:
+        return f"{r['site']}" + (f" in rank {r['rank']}" if r["rank"] is not None else "")
+
+    for i, (g, r) in enumerate(zip(graded, reference)):
+        if (g["site"], g["rank"]) != (r["site"], r["rank"]):
+            raise AssertionError(f"check {i + 1}: the graded run checked at {where(g)} where the reference run "
+                                 f"checked at {where(r)}: its ranks skipped or added checks (the test did not run "
+                                 "as written)")
+    if len(graded) != len(reference):
+        raise AssertionError(f"the graded run made {len(graded)} checks, the same test on the reference "
+                             f"{len(reference)}: its ranks skipped or added checks (the test did not run as written)")
+    for g, r in zip(graded, reference):
+        expected = r["expected"] if r["baseline"] else g["expected"]
+        actual, rtol, atol = g["actual"], r["rtol"], r["atol"]
+        if actual.shape != expected.shape or actual.dtype != expected.dtype:
+            raise AssertionError(f"{r['what']} ({where(r)}): {tuple(actual.shape)} {actual.dtype} reported, "
+                                 f"{tuple(expected.shape)} {expected.dtype} expected (checked by the grader's process)")
+        try:
+            torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+        except AssertionError:
+            raise AssertionError(f"{r['what']} ({where(r)}): max abs diff {max_abs_diff(actual, expected):.3e} "
+                                 f"(rtol={rtol}, atol={atol}){diagnose(actual, expected)}, found by the grader's "
+                                 "process although the rank reported a pass") from None
+
+
+def _fork(item, impl: str | None = None) -> tuple:
+    """The test body in a forked child (the graded implementation, or ``impl``); its outcome message."""
     from multiprocessing import forkserver, resource_tracker
 
     from distlab.spawn import _context
@@ -66,7 +208,7 @@ def run_in_child(item) -> None:
         os.close(out_r)
         os.close(alive_w)
         threading.Thread(target=_die_when_parent_does, args=(alive_r,), daemon=True).start()
-        message = _child_body(item)
+        message = _child_body(item, impl)
         try:
             payload = pickle.dumps(message)
         except Exception as exc:
@@ -88,7 +230,7 @@ def run_in_child(item) -> None:
         os.close(alive_w)
     if not payload:
         raise RuntimeError("the test's process died without an outcome (killed, or it exited early)")
-    _raise(pickle.loads(payload))
+    return pickle.loads(payload)
 
 
 def _raise(message: tuple) -> None:

@@ -29,6 +29,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 CHEATS = REPO / "tests" / "cheats"
@@ -70,6 +71,7 @@ ROUNDS = [
      "rigged_eq": "a `__eq__` method (it could rig a comparison)",
      "write_reference_file": "`open` is not allowed",
      "environ_impl_solutions": "`import os` is not allowed"},
+    {"forge_result_pipe": "the attribute `.os` is not allowed"},
 ]
 
 
@@ -397,3 +399,124 @@ def test_graded_tests_load_templates_outside_pytests_process(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=240)
     results = json.loads(out.read_text())
     assert results["score"] == 2 and len(results["per_test"]) == 2, proc.stdout[-3000:]
+
+
+# --------------------------------------------------------------------------- the verdict is the parent's
+def _check(site, actual, expected, *, baseline=True, rank=0, tol=0.0):
+    return {"site": site, "what": f"check at {site}", "rank": rank, "actual": torch.tensor(actual),
+            "expected": torch.tensor(expected), "rtol": tol, "atol": tol, "baseline": baseline}
+
+
+def test_the_parent_compares_reported_values_with_the_reference_runs_baseline():
+    """distlab.verdict.compare: the grader's process checks what the ranks reported, against the expected
+    values of the same test run on the reference (where no learner code ran)."""
+    from distlab.verdict import compare
+
+    reference = [_check("t.py:1", [1.0, 2.0], [1.0, 2.0]), _check("t.py:2", [3.0], [3.0], baseline=False)]
+    compare([_check("t.py:1", [1.0, 2.0], [1.0, 2.0]), _check("t.py:2", [5.0], [5.0], baseline=False)], reference)
+    # A rank whose own comparison was subverted and whose baseline was bent to its wrong answer.
+    with pytest.raises(AssertionError, match=r"check at t.py:1 \(t.py:1 in rank 0\): max abs diff 1.000e\+00 .*"
+                                             "found by the grader's process although the rank reported a pass"):
+        compare([_check("t.py:1", [1.0, 3.0], [1.0, 3.0]), reference[1]], reference)
+    # Its own result on both sides (a resumed model against the one saved): checked as reported.
+    with pytest.raises(AssertionError, match="check at t.py:2"):
+        compare([reference[0], _check("t.py:2", [5.0], [6.0], baseline=False)], reference)
+    with pytest.raises(AssertionError, match="the graded run made 1 checks, the same test on the reference 2"):
+        compare(reference[:1], reference)
+    with pytest.raises(AssertionError, match="check 1: the graded run checked at t.py:2 in rank 0 where the "
+                                             "reference run checked at t.py:1 in rank 0"):
+        compare(reference[::-1], reference)
+    with pytest.raises(AssertionError, match=r"\(1,\) torch.float32 reported, \(2,\) torch.float32 expected"):
+        compare([_check("t.py:1", [1.0], [1.0]), reference[1]], reference)
+
+
+def _worker_forges_its_result(rank, world_size):
+    import pickle
+
+    payload = pickle.dumps(("ok", "forged"))  # what a rank's result was before checks travelled with it
+    frame = len(payload).to_bytes(4, "big") + payload
+    for fd in range(3, 256):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:"):
+                os.write(fd, frame)
+        except OSError:
+            pass
+    os._exit(0)
+
+
+def test_a_rank_that_forges_its_result_pipe_fails_when_checks_are_recorded(monkeypatch):
+    from distlab import testing
+    from distlab.spawn import RankError, run_distributed
+
+    monkeypatch.setattr(testing, "_records", [])
+    monkeypatch.setenv(testing.RECORD_ENV, "1")
+    with pytest.raises(RankError, match="reported success without the records of its checks"):
+        run_distributed(_worker_forges_its_result, 2)
+
+
+def test_templates_may_not_reach_os_through_another_module(tmp_path):
+    from distlab.isolation import lint
+
+    cheat = tmp_path / "t.py"
+    cheat.write_text("import torch\nw = torch.serialization.os.write\nx = getattr(torch.serialization, 'os')\n")
+    problems = lint(cheat, "phase1_data_parallel", "collectives")
+    assert any("`.os`" in p for p in problems) and any("getattr(..., 'os')" in p for p in problems), problems
+
+
+SUBVERTED_TESTS = '''
+import pytest
+import torch
+
+from distlab import load, testing
+from distlab.spawn import run_distributed
+
+
+def _worker(rank, world_size):
+    collectives = load("phase1_data_parallel", "collectives")
+    x = torch.arange(4, dtype=torch.float64) + rank
+    mine = collectives.allreduce_allgather_sum(x.clone())
+    expected = sum(torch.arange(4, dtype=torch.float64) + r for r in range(world_size))
+    # A rank whose comparison was switched off: the values are recorded, nothing is asserted here.
+    testing._record(f"rank {rank}: the sum", mine, expected, 0, 0, True)
+
+
+@pytest.mark.exercise("1.1-1.3 all-reduce three ways")
+def test_sum():
+    run_distributed(_worker, 2)
+'''
+
+
+def test_a_pass_reported_by_ranks_is_checked_against_the_reference_in_pytests_process(tmp_path):
+    """End to end: the in-rank comparison is gone, the ranks report a wrong sum; the grading run's pytest
+    process fails the test against the reference run's baseline. The finished template scores."""
+    tests = tmp_path / "test_subverted.py"
+    tests.write_text(SUBVERTED_TESTS)
+    wrong = tmp_path / "wrong" / "phase1_data_parallel"
+    wrong.mkdir(parents=True)
+    template = (REPO / "phase1_data_parallel" / "template_collectives.py").read_text()
+    (wrong / "template_collectives.py").write_text(  # lint-clean and wrong: keeps its own tensor
+        template + "\n\ndef allreduce_allgather_sum(tensor, op='sum', group=None):\n    return tensor\n")
+    (tmp_path / "right" / "phase1_data_parallel").mkdir(parents=True)
+    finished("phase1_data_parallel", "collectives", tmp_path / "right" / "phase1_data_parallel")
+    cache = tmp_path / "cache"
+    env = {**os.environ, "DISTLAB_REFERENCE_CHECKS": str(cache)}
+    common = ["-p", "no:cacheprovider", str(tests), f"--rootdir={REPO}", "-c", str(REPO / "pyproject.toml")]
+    # As setup.sh builds the autograder: the reference's checks, recorded once for every submission.
+    proc = subprocess.run([sys.executable, "-m", "pytest", *common, "--record-reference"], cwd=REPO,
+                          capture_output=True, text=True, timeout=240, env=env)
+    (kept,) = cache.rglob("*.pickle")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    recorded_at = kept.stat().st_mtime_ns
+    scores = {}
+    for copy in ("wrong", "right"):
+        out = tmp_path / f"{copy}.json"
+        proc = subprocess.run([sys.executable, "-m", "pytest", *common, "--impl=templates",
+                               f"--student-dir={tmp_path / copy}", f"--results-json={out}"],
+                              cwd=REPO, capture_output=True, text=True, timeout=240, env=env)
+        scores[copy] = (json.loads(out.read_text())["score"], proc.stdout)
+    assert scores["wrong"][0] == 0, scores["wrong"][1][-3000:]
+    assert "found by the grader's process although the rank reported a pass" in scores["wrong"][1], \
+        scores["wrong"][1][-3000:]
+    assert scores["right"][0] == 3, scores["right"][1][-3000:]
+    assert list(cache.rglob("*.pickle")) == [kept] and kept.stat().st_mtime_ns == recorded_at, \
+        "the grading runs ran the reference again instead of reading its recorded checks"
