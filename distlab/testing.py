@@ -110,6 +110,28 @@ def _record(what: str, actual: torch.Tensor, expected: torch.Tensor, rtol, atol,
                          "expected": _kept(expected), "rtol": rtol, "atol": atol, "baseline": baseline})
 
 
+def _record_value(kind: str, what: str, actual, expected, baseline: bool) -> None:
+    if _records is not None:
+        _records.append({"site": _site(), "what": what, "rank": None, "kind": kind, "actual": actual,
+                         "expected": expected, "baseline": baseline})
+
+
+def assert_equal(actual, expected, what: str, *, baseline: bool = True) -> None:
+    """``actual == expected`` for counts, byte totals, shapes and other plain values (ints, floats, bools,
+    strings, tuples and lists of them), with ``what`` as the message; recorded like the tensor checks, so
+    a grading run compares the count in pytest's process (distlab/verdict.py)."""
+    _record_value("equal", what, actual, expected, baseline)
+    if actual != expected:
+        raise AssertionError(what)
+
+
+def assert_at_most(actual, bound, what: str, *, baseline: bool = True) -> None:
+    """``actual <= bound`` (a budget: bytes, ops, host syncs), recorded like :func:`assert_equal`."""
+    _record_value("at_most", what, actual, bound, baseline)
+    if not actual <= bound:
+        raise AssertionError(what)
+
+
 def assert_tensors_close(actual: torch.Tensor, expected: torch.Tensor, what: str,
                          rtol: float | None = None, atol: float | None = None, *, baseline: bool = True) -> None:
     """``torch.testing.assert_close`` with ``what`` (rank, step, name) leading the message.

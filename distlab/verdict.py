@@ -180,6 +180,16 @@ def compare(graded: list[dict], reference: list[dict]) -> None:
                              f"{len(reference)}: its ranks skipped or added checks (the test did not run as written)")
     for g, r in zip(graded, reference):
         expected = r["expected"] if r["baseline"] else g["expected"]
+        kind = r.get("kind", "close")
+        if kind != g.get("kind", "close"):
+            raise AssertionError(f"{r['what']} ({where(r)}): a {g.get('kind', 'close')} check reported for a {kind} one")
+        if kind in ("equal", "at_most"):
+            held = g["actual"] == expected if kind == "equal" else g["actual"] <= expected
+            if not held:
+                relation = "==" if kind == "equal" else "<="
+                raise AssertionError(f"{g['what']} ({where(r)}): {g['actual']!r} reported, {relation} {expected!r} "
+                                     "expected, found by the grader's process although the rank reported a pass")
+            continue
         actual, rtol, atol = g["actual"], r["rtol"], r["atol"]
         if actual.shape != expected.shape or actual.dtype != expected.dtype:
             raise AssertionError(f"{r['what']} ({where(r)}): {tuple(actual.shape)} {actual.dtype} reported, "

@@ -428,6 +428,15 @@ def test_the_parent_compares_reported_values_with_the_reference_runs_baseline():
         compare(reference[::-1], reference)
     with pytest.raises(AssertionError, match=r"\(1,\) torch.float32 reported, \(2,\) torch.float32 expected"):
         compare([_check("t.py:1", [1.0], [1.0]), reference[1]], reference)
+    # Counts (distlab.testing.assert_equal / assert_at_most): the reference run's expected count.
+    count = {"site": "t.py:3", "what": "sent 96 B", "rank": 1, "kind": "equal", "actual": 96, "expected": 96,
+             "baseline": True}
+    budget = {**count, "site": "t.py:4", "kind": "at_most", "actual": 2, "expected": 3}
+    compare([count, budget], [count, budget])
+    with pytest.raises(AssertionError, match=r"sent 64 B \(t.py:3 in rank 1\): 64 reported, == 96 expected"):
+        compare([{**count, "what": "sent 64 B", "actual": 64, "expected": 64}, budget], [count, budget])
+    with pytest.raises(AssertionError, match=r"4 reported, <= 3 expected"):
+        compare([count, {**budget, "actual": 4, "expected": 9}], [count, budget])
 
 
 def _worker_forges_its_result(rank, world_size):

@@ -21,8 +21,8 @@ from distlab import p2p
 from distlab.comm import CommLedger
 from distlab.spawn import run_distributed
 from distlab.models import TiedFrozenModel, TinyCNN, ToyMLP, seeded
-from distlab.testing import (assert_grads_close, assert_models_close, assert_ranks_identical, assert_tensors_close,
-                             reference_prerequisites, shard)
+from distlab.testing import (assert_equal, assert_grads_close, assert_models_close, assert_ranks_identical,
+                             assert_tensors_close, reference_prerequisites, shard)
 
 PHASE = "phase1_data_parallel"
 WORLD_SIZES = [1, 2, 3, 4]
@@ -68,15 +68,16 @@ def _worker_allreduce(rank, world_size, strategy):
 
 
 def _check_volume(ledger: CommLedger, strategy: str, rank: int, world_size: int, nbytes: int, what: str):
-    assert ledger.calls("all_reduce") == 0, f"{what}: must not call dist.all_reduce"
+    assert_equal(ledger.calls("all_reduce"), 0, f"{what}: must not call dist.all_reduce")
     ops = ledger.summary()
     if strategy == "allreduce_reduce_broadcast":
         peers = world_size - 1 if rank == 0 else min(1, world_size - 1)
         # distlab.p2p posts each message as an isend/irecv (a launch of one): either kind counts.
         assert set(ops) <= {"send", "recv", "isend", "irecv"}, f"{what}: only point-to-point expected, saw {ops}"
-        assert ledger.sent_bytes() == peers * nbytes, f"{what}: sent {ledger.sent_bytes()} B, expected {peers * nbytes}"
-        assert ledger.received_bytes() == peers * nbytes, \
-            f"{what}: received {ledger.received_bytes()} B, expected {peers * nbytes}"
+        assert_equal(ledger.sent_bytes(), peers * nbytes,
+                     f"{what}: sent {ledger.sent_bytes()} B, expected {peers * nbytes}")
+        assert_equal(ledger.received_bytes(), peers * nbytes,
+                     f"{what}: received {ledger.received_bytes()} B, expected {peers * nbytes}")
     elif strategy == "allreduce_allgather_sum":
         assert ops == {"all_gather": {"calls": 1, "bytes": nbytes}}, f"{what}: expected one all_gather, saw {ops}"
     else:
@@ -252,10 +253,12 @@ def _worker_naive_dp(rank, world_size, todo, kind, optim_name):
         # never) plus one per floating buffer: nothing reduced twice, nothing missed.
         expected_calls = len(grads) + len(float_buffers)
         expected_bytes = sum(p.numel() * p.element_size() for p in grads + float_buffers)
-        assert ledger.calls("all_reduce") == expected_calls, \
-            f"rank {rank}, step {step}, {yours}: {ledger.calls('all_reduce')} all-reduces, expected {expected_calls}"
-        assert ledger.bytes("all_reduce") == expected_bytes, \
-            f"rank {rank}, step {step}, {yours}: {ledger.bytes('all_reduce')} B all-reduced, expected {expected_bytes}"
+        assert_equal(ledger.calls("all_reduce"), expected_calls,
+                     f"rank {rank}, step {step}, {yours}: {ledger.calls('all_reduce')} all-reduces, expected "
+                     f"{expected_calls}")
+        assert_equal(ledger.bytes("all_reduce"), expected_bytes,
+                     f"rank {rank}, step {step}, {yours}: {ledger.bytes('all_reduce')} B all-reduced, expected "
+                     f"{expected_bytes}")
     assert_ranks_identical(model, step=STEPS)
 
 

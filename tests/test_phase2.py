@@ -18,7 +18,8 @@ from distlab import load
 from distlab.comm import CommLedger
 from distlab.spawn import run_distributed
 from distlab.models import GPTConfig, TiedFrozenModel, TinyGPT, ToyMLP, seeded
-from distlab.testing import assert_grads_close, assert_models_close, assert_ranks_identical, assert_tensors_close, shard
+from distlab.testing import (assert_equal, assert_grads_close, assert_models_close, assert_ranks_identical,
+                             assert_tensors_close, shard)
 
 PHASE = "phase2_advanced"
 WORLD_SIZES = [1, 2, 3, 4]
@@ -90,11 +91,12 @@ def _worker_grad_accumulation(rank, world_size, kind):
             # one once, the frozen and unused ones never) per optimizer step, whatever k is.
             with_grad = [p for p in trainable if p.grad is not None]
             expected_bytes = sum(p.numel() * p.element_size() for p in with_grad)
-            assert ledger.calls("all_reduce") == len(with_grad), \
-                f"rank {rank}, step {step}, {what}: {ledger.calls('all_reduce')} all-reduces per optimizer " \
-                f"step, expected {len(with_grad)} (one per parameter, not one per micro-batch)"
-            assert ledger.bytes("all_reduce") == expected_bytes, \
-                f"rank {rank}, step {step}, {what}: {ledger.bytes('all_reduce')} B all-reduced, expected {expected_bytes}"
+            assert_equal(ledger.calls("all_reduce"), len(with_grad),
+                         f"rank {rank}, step {step}, {what}: {ledger.calls('all_reduce')} all-reduces per optimizer "
+                         f"step, expected {len(with_grad)} (one per parameter, not one per micro-batch)")
+            assert_equal(ledger.bytes("all_reduce"), expected_bytes,
+                         f"rank {rank}, step {step}, {what}: {ledger.bytes('all_reduce')} B all-reduced, "
+                         f"expected {expected_bytes}")
         assert_ranks_identical(model.module, step=f"end, {what}")
 
 
@@ -114,7 +116,7 @@ def _worker_no_sync(rank, world_size):
     ledger = CommLedger()
     with ledger, model.no_sync():
         _loss(model(xs), ys).backward()
-    assert ledger.calls() == 0, f"rank {rank}: backward inside no_sync() communicated: {ledger.summary()}"
+    assert_equal(ledger.calls(), 0, f"rank {rank}: backward inside no_sync() communicated: {ledger.summary()}")
     assert model.require_sync, f"rank {rank}: no_sync() must restore syncing on exit"
     # Inside no_sync the gradient is this rank's own: same ops, same order -> bitwise.
     _loss(baseline(xs), ys).backward()

@@ -22,7 +22,7 @@ from distlab import load, p2p
 from distlab.comm import CommLedger
 from distlab.spawn import run_distributed
 from distlab.models import MLP, Block, CausalSelfAttention, GPTConfig, TinyGPT, seeded
-from distlab.testing import assert_tensors_close, explain_group_errors
+from distlab.testing import assert_at_most, assert_equal, assert_tensors_close, explain_group_errors
 
 PHASE = "phase2_advanced"
 WORLD_SIZES = [1, 2, 3, 4]
@@ -294,8 +294,9 @@ def _worker_vocab_parallel(rank, world_size):
     assert_tensors_close(loss, loss_ref, f"{what} per-token loss", **TOL)
     (loss * weights).sum().backward()
     assert_tensors_close(local.grad, logits.grad.chunk(W, -1)[rank], f"{what} logits gradient", **TOL)
-    assert ledger.calls("all_gather") == 0, f"{what}: must not gather the logits ({ledger.summary()})"
-    assert ledger.bytes() <= 3 * 10 * 8, f"{what}: moved {ledger.bytes()} B, at most 3 x N values expected"
+    assert_equal(ledger.calls("all_gather"), 0, f"{what}: must not gather the logits ({ledger.summary()})")
+    assert_at_most(ledger.bytes(), 3 * 10 * 8,
+                   f"{what}: moved {ledger.bytes()} B, at most 3 x N values expected")
 
 
 @pytest.mark.exercise("2.19 vocab-parallel embedding and cross-entropy")
@@ -391,10 +392,12 @@ def _worker_pipeline(rank, world_size, schedule, device="cpu"):  # tests/test_gp
             # Point-to-point volume: one activation per micro-batch forward, one gradient backward.
             act = MB_SIZE * HIDDEN * 8
             sent = m * act * ((rank < p - 1) + (rank > 0))
-            assert ledger.sent_bytes() == sent and ledger.received_bytes() == sent, \
-                f"{what}: sent {ledger.sent_bytes()} B / received {ledger.received_bytes()} B, expected {sent} each " \
-                f"({m} micro-batches x {act} B per neighbour)"
-            assert set(ledger.summary()) <= {"send", "isend", "recv", "irecv"}, f"{what}: {ledger.summary()}"
+            assert_equal((ledger.sent_bytes(), ledger.received_bytes()), (sent, sent),
+                         f"{what}: sent {ledger.sent_bytes()} B / received {ledger.received_bytes()} B, "
+                         f"expected {sent} each "
+                         f"({m} micro-batches x {act} B per neighbour)")
+            assert_at_most(set(ledger.summary()), {"send", "isend", "recv", "irecv"},
+                           f"{what}: {ledger.summary()}")
         # Memory: activations in flight (forward done, backward not yet) at the peak.
         expected_peak = m if schedule == "gpipe" else min(p - rank, m)
         assert stage.peak_in_flight == expected_peak, \
@@ -502,9 +505,9 @@ def _worker_tp_dp(rank, world_size, tp_size):
             f"rank {rank}: gradient of {name} is {p.grad.flatten()[0].item()}, expected the mean {mean} over " \
             f"dp group {grid.dp_ranks}"
     local = sum(p.numel() * 8 for p in model.parameters())
-    assert ledger.bytes("all_reduce") == local and ledger.bytes() == local, \
-        f"rank {rank}: dp gradient sync moved {ledger.summary()}, expected {local} B of all-reduce " \
-        f"(this rank's shard of the gradients, once)"
+    assert_equal((ledger.bytes("all_reduce"), ledger.bytes()), (local, local),
+                 f"rank {rank}: dp gradient sync moved {ledger.summary()}, expected {local} B of all-reduce "
+                 f"(this rank's shard of the gradients, once)")
 
 
 @pytest.mark.exercise("2.22 data x tensor parallel step")
@@ -548,7 +551,8 @@ def _worker_model_split(rank, world_size, with_backward):
             assert_tensors_close(out, expected, f"{what}: stage output vs the unsplit model's layers 0..{rank}",
                                  **EXACT)  # the same ops on the same values
             sent = act * (rank < p - 1)
-            assert ledger.sent_bytes() == sent, f"{what}: forward sent {ledger.sent_bytes()} B, expected {sent}"
+            assert_equal(ledger.sent_bytes(), sent,
+                         f"{what}: forward sent {ledger.sent_bytes()} B, expected {sent}")
             continue
         opt_ref.zero_grad()
         loss_ref = F.cross_entropy(full(x), y)
@@ -565,8 +569,9 @@ def _worker_model_split(rank, world_size, with_backward):
         for (name, a), b in zip(mine.named_parameters(), reference[rank].parameters()):
             assert_tensors_close(a, b, f"{what}, stage parameter {name} after SGD", **TOL)
         sent = act * ((rank < p - 1) + (rank > 0))  # activation forward + its gradient backward
-        assert ledger.sent_bytes() == sent and ledger.received_bytes() == sent, \
-            f"{what}: sent {ledger.sent_bytes()} B / received {ledger.received_bytes()} B, expected {sent} each"
+        assert_equal((ledger.sent_bytes(), ledger.received_bytes()), (sent, sent),
+                     f"{what}: sent {ledger.sent_bytes()} B / received {ledger.received_bytes()} B, expected "
+                     f"{sent} each")
 
 
 @pytest.mark.exercise("2.10-2.11 naive model split")
@@ -676,7 +681,7 @@ def _worker_interleaved(rank, world_size):
                     assert_tensors_close(a, b, f"{what}, chunk {c} parameter {name} after SGD", **TOL)
             act = MB_SIZE * HIDDEN * 8
             sent = 0 if p == 1 else m * act * ((v - (rank == p - 1)) + (v - (rank == 0)))  # p = 1: no peers
-            assert ledger.sent_bytes() == sent, f"{what}: sent {ledger.sent_bytes()} B, expected {sent}"
+            assert_equal(ledger.sent_bytes(), sent, f"{what}: sent {ledger.sent_bytes()} B, expected {sent}")
         warmup = 2 * (p - rank - 1) + (v - 1) * p
         expected_peak = m * v if warmup >= m * v else warmup + 1
         assert stage.peak_in_flight == expected_peak, \

@@ -22,7 +22,7 @@ from distlab import p2p
 from distlab.comm import CommLedger
 from distlab.spawn import run_distributed
 from distlab.models import ToyMLP, seeded
-from distlab.testing import assert_models_close, assert_tensors_close, shard
+from distlab.testing import assert_at_most, assert_equal, assert_models_close, assert_tensors_close, shard
 from distlab.todo import LearnerTODO
 
 PHASE = "phase3_multi_node"
@@ -88,9 +88,10 @@ def _worker_ring_reduce_scatter(rank, world_size):
         _check_p2p_only(ledger, what)
         es = expected.element_size()
         sent, received = (expected.numel() - sizes[rank]) * es, (expected.numel() - sizes[rank - 1]) * es
-        assert ledger.sent_bytes() == sent, f"{what}: sent {ledger.sent_bytes()} B, expected N - n_rank = {sent} B"
-        assert ledger.received_bytes() == received, \
-            f"{what}: received {ledger.received_bytes()} B, expected N - n_(rank-1) = {received} B"
+        assert_equal(ledger.sent_bytes(), sent,
+                     f"{what}: sent {ledger.sent_bytes()} B, expected N - n_rank = {sent} B")
+        assert_equal(ledger.received_bytes(), received,
+                     f"{what}: received {ledger.received_bytes()} B, expected N - n_(rank-1) = {received} B")
 
 
 @pytest.mark.exercise("3.1 ring reduce-scatter")
@@ -120,7 +121,8 @@ def _worker_ring_all_gather(rank, world_size):
         assert torch.equal(mine, builtin), f"{what}: differs from dist.all_gather"
         _check_p2p_only(ledger, what)
         sent = (expected.numel() - pieces[(rank + 1) % world_size].numel()) * expected.element_size()
-        assert ledger.sent_bytes() == sent, f"{what}: sent {ledger.sent_bytes()} B, expected N - n_(rank+1) = {sent} B"
+        assert_equal(ledger.sent_bytes(), sent,
+                     f"{what}: sent {ledger.sent_bytes()} B, expected N - n_(rank+1) = {sent} B")
 
 
 @pytest.mark.exercise("3.2 ring all-gather")
@@ -145,9 +147,9 @@ def _worker_all_gather_bad_chunk(rank, world_size):
 def _ring_volume(ledger, rank, world_size, expected, what):
     sizes, es, n = _sizes(expected.numel(), world_size), expected.element_size(), expected.numel()
     sent = (2 * n - sizes[rank] - sizes[(rank + 1) % world_size]) * es
-    assert ledger.sent_bytes() == sent, f"{what}: sent {ledger.sent_bytes()} B, expected {sent} B"
+    assert_equal(ledger.sent_bytes(), sent, f"{what}: sent {ledger.sent_bytes()} B, expected {sent} B")
     if n % world_size == 0:  # the textbook figure, exact when W divides N
-        assert ledger.sent_bytes() == 2 * (world_size - 1) * n * es // world_size, what
+        assert_equal(ledger.sent_bytes(), 2 * (world_size - 1) * n * es // world_size, what)
 
 
 def _check_allreduce(rank, world_size, fn, name, check_volume=_ring_volume):
@@ -229,12 +231,13 @@ def _halving_doubling_volume(ledger, rank, world_size, expected, what):
     n, es = expected.numel(), expected.element_size()
     p = 1 << (world_size.bit_length() - 1)
     if p == world_size and n % world_size == 0:  # the textbook figure, exact
-        assert ledger.sent_bytes() == 2 * (world_size - 1) * n * es // world_size, \
-            f"{what}: sent {ledger.sent_bytes()} B, expected 2(W-1)/W * {n * es} B"
+        assert_equal(ledger.sent_bytes(), 2 * (world_size - 1) * n * es // world_size,
+                     f"{what}: sent {ledger.sent_bytes()} B, expected 2(W-1)/W * {n * es} B")
         # log2(W) exchanges each way: 2 log2(W) sends (empty blocks aside)
-        assert ledger.calls("isend") + ledger.calls("send") <= 2 * (world_size.bit_length() - 1), what
+        assert_at_most(ledger.calls("isend") + ledger.calls("send"), 2 * (world_size.bit_length() - 1), what)
     elif rank >= p:  # an extra rank of a non-power-of-two world: N out, N back
-        assert ledger.sent_bytes() == n * es, f"{what}: extra rank sent {ledger.sent_bytes()} B, expected {n * es}"
+        assert_equal(ledger.sent_bytes(), n * es,
+                     f"{what}: extra rank sent {ledger.sent_bytes()} B, expected {n * es}")
 
 
 def _worker_halving_doubling(rank, world_size):
@@ -274,7 +277,8 @@ def _worker_hierarchical(rank, world_size, ranks_per_node):
         across = [r for r in ledger.records if r.group_size != node_size or r.op == "all_reduce"]
         if groups.is_leader:
             assert [(r.op, r.group_size) for r in across] == [("all_reduce", num_nodes)], \
-                f"{what}: a leader must make exactly one all-reduce among the {num_nodes} leaders, saw {ledger.summary()}"
+                f"{what}: a leader must make exactly one all-reduce among the {num_nodes} leaders, saw " \
+                f"{ledger.summary()}"
         else:
             assert not across, f"{what}: a non-leader must only talk inside its node, saw {ledger.summary()}"
         ref = mine.clone()

@@ -20,7 +20,7 @@ from distlab import load
 from distlab.comm import CommLedger, all_gather_single
 from distlab.spawn import run_distributed
 from distlab.models import TiedFrozenModel, ToyMLP, seeded
-from distlab.testing import (assert_grads_close, assert_models_close, assert_ranks_identical,
+from distlab.testing import (assert_equal, assert_grads_close, assert_models_close, assert_ranks_identical,
                              assert_tensors_close, max_abs_diff, shard)
 
 PHASE = "phase3_multi_node"
@@ -149,11 +149,12 @@ def _worker_ddp(rank, world_size, impl, kind, n_buckets_list, find_unused=False,
             grad_bytes = sum(p.numel() * p.element_size() for p in trainable if find_unused or p.grad is not None)
             buckets = len(trainable) if impl == "overlap" or bucket_mb == 0 else n_buckets  # cap 0: one each
             expected_calls = buckets + int(impl == "bucketed" and find_unused)
-            assert ledger.calls("all_reduce") == expected_calls, \
-                f"{what}: {ledger.calls('all_reduce')} all-reduces, expected {expected_calls} ({ledger.summary()})"
+            assert_equal(ledger.calls("all_reduce"), expected_calls,
+                         f"{what}: {ledger.calls('all_reduce')} all-reduces, expected {expected_calls} "
+                         f"({ledger.summary()})")
             bitmap = 4 * len(trainable) if find_unused else 0
-            assert ledger.bytes("all_reduce") == grad_bytes + bitmap, \
-                f"{what}: {ledger.bytes('all_reduce')} B all-reduced, expected {grad_bytes + bitmap}"
+            assert_equal(ledger.bytes("all_reduce"), grad_bytes + bitmap,
+                         f"{what}: {ledger.bytes('all_reduce')} B all-reduced, expected {grad_bytes + bitmap}")
             if calls_when_first_ready and (impl == "overlap" or n_buckets > 1):
                 # The last gradient of backward: earlier buckets must already be in flight.
                 assert calls_when_first_ready[-1] >= 1, \
@@ -230,7 +231,8 @@ def _worker_no_sync(rank, world_size, impl):
         with ledger:
             with ddp.no_sync():
                 (_loss(ddp(shard(xs, 0, micro)), shard(ys, 0, micro)) / micro).backward()
-            assert ledger.calls("all_reduce") == 0, f"rank {rank}, step {step}: no_sync must not communicate"
+            assert_equal(ledger.calls("all_reduce"), 0,
+                         f"rank {rank}, step {step}: no_sync must not communicate")
             (_loss(ddp(shard(xs, 1, micro)), shard(ys, 1, micro)) / micro).backward()
             ddp.finish_gradient_synchronization()
         opt.step()
@@ -492,7 +494,8 @@ def _worker_zero3_frees(rank, world_size):
         _loss(out, shard(y, rank, world_size)).backward()
         assert not still_gathered, (
             f"{what}: {still_gathered[0]} still held its gathered full parameters when its last gradient arrived "
-            f"({len(still_gathered)} unit(s) in all): free them (self._reshard(u)) as soon as a unit's backward is over")
+            f"({len(still_gathered)} unit(s) in all): free them (self._reshard(u)) as soon as a unit's backward "
+            "is over")
         opt.step()
     # The wrapper's meter agrees: the unit in backward + one prefetched, never the whole model.
     sizes = [u.full.numel() * 8 for u in units]

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from distlab import load
 from distlab.procs import kill_process_tree, marked_environ
 from distlab.spawn import run_distributed
-from distlab.testing import assert_tensors_close, reference_prerequisites
+from distlab.testing import assert_equal, assert_tensors_close, reference_prerequisites
 from distlab.todo import LearnerTODO
 
 PHASE = "phase4_production"
@@ -553,8 +553,8 @@ def _worker_cast(rank, world_size):
             # bf16) and so is their sum: a few ulps; a missing 1/W is off by a factor.
             tol = 4 * 2.0 ** -11 if dtype == torch.float16 else 4 * 2.0 ** -8
             assert_tensors_close(out.double(), expected, f"{what} vs float64 mean", rtol=tol, atol=tol)
-            assert ledger.summary() == {"all_reduce": {"calls": 1, "bytes": 2 * n}}, \
-                f"{what}: expected one all_reduce of {2 * n} B, saw {ledger.summary()}"
+            assert_equal(ledger.summary(), {"all_reduce": {"calls": 1, "bytes": 2 * n}},
+                         f"{what}: expected one all_reduce of {2 * n} B, saw {ledger.summary()}")
         # Exactly representable means (W a power of two, small dyadic values): bitwise exact.
         if world_size in (2, 4):
             inputs = [torch.arange(8, dtype=torch.float32) * (r + 1) for r in range(world_size)]
@@ -605,9 +605,9 @@ def _worker_topk(rank, world_size, ratio):
         assert_tensors_close(out, expected, f"{what}: averaged sparse gradient", rtol=1e-12, atol=1e-12)
         assert_tensors_close(state.residuals[0], residuals[rank], f"{what}: residual (error feedback)",
                              rtol=0, atol=0)  # copies and one addition, done the same way: exact
-        assert ledger.calls("all_reduce") == 0 and ledger.bytes() == k * (8 + 4), \
-            f"{what}: expected all-gathers of {k} float64 values + {k} int32 indices = {k * 12} B, " \
-            f"saw {ledger.summary()}"
+        assert_equal((ledger.calls("all_reduce"), ledger.bytes()), (0, k * (8 + 4)),
+                     f"{what}: expected all-gathers of {k} float64 values + {k} int32 indices = {k * 12} B, "
+                     f"saw {ledger.summary()}")
         total_grad += grads[rank]
         total_sent += sent[rank]
     # Error feedback loses nothing: everything not sent yet is in the residual.
@@ -645,8 +645,8 @@ def _worker_powersgd(rank, world_size):
     assert_tensors_close(out[:a * b].view(a, b), mean_mat, f"{what}: rank-2 mean reconstructed", rtol=1e-9, atol=1e-9)
     assert_tensors_close(out[a * b:], mean_bias, f"{what}: bias all-reduced uncompressed", rtol=1e-12, atol=1e-12)
     expected_bytes = 8 * (r * (a + b) + v)
-    assert ledger.calls("all_reduce") == 3 and ledger.bytes("all_reduce") == expected_bytes, \
-        f"{what}: expected 3 all-reduces of {expected_bytes} B in all (P, Q, bias), saw {ledger.summary()}"
+    assert_equal((ledger.calls("all_reduce"), ledger.bytes("all_reduce")), (3, expected_bytes),
+                 f"{what}: expected 3 all-reduces of {expected_bytes} B in all (P, Q, bias), saw {ledger.summary()}")
     # 2. Error feedback: the error is what this rank meant to send minus what all agreed on,
     #    and it is added to the next gradient.
     state = comp.PowerSGDState(rank=1)
@@ -732,8 +732,8 @@ def _worker_gather(rank, world_size):
             assert got == expected, f"{what}: {got} != {expected}"  # copies of float64: exact
         else:
             assert got is None, f"{what}: only rank 0 gets the result, got {got}"
-        assert ledger.summary() == {"gather": {"calls": 1, "bytes": 8 * n}}, \
-            f"{what}: expected one gather of {8 * n} B, saw {ledger.summary()}"
+        assert_equal(ledger.summary(), {"gather": {"calls": 1, "bytes": 8 * n}},
+                     f"{what}: expected one gather of {8 * n} B, saw {ledger.summary()}")
     if world_size >= 3:
         # A subgroup without global rank 0 ({1, 2}: its rank 0 is global rank 1): "rank 0" is the
         # group's, and the destination must be named by its global rank.
@@ -906,4 +906,5 @@ def test_node_loss_shrinks_the_job_like_resuming_on_fewer_ranks(tmp_path):
     for name, value in expected.items():
         reference = torch.tensor(value, dtype=final[name].dtype)
         assert torch.equal(final[name], reference), \
-            f"parameter {name} differs from 2-then-1-rank training by {(final[name] - reference).abs().max().item():.3e}"
+            f"parameter {name} differs from 2-then-1-rank training by " \
+            f"{(final[name] - reference).abs().max().item():.3e}"

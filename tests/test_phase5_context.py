@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from distlab import load
 from distlab.comm import CommLedger
 from distlab.spawn import run_distributed
-from distlab.testing import assert_tensors_close
+from distlab.testing import assert_equal, assert_tensors_close
 
 PHASE = "phase5_large_models"
 WORLD_SIZES = [1, 2, 3, 4]
@@ -220,8 +220,8 @@ def _worker_ulysses(rank, world_size, device="cpu"):  # tests/test_gpu.py: "cuda
         # backward dO of my tokens (H*T_r) and dQ, dK, dV of my heads (3*(H/W)*T). float64, B=1, D=4.
         want = 0 if world_size == 1 else 4 * (U_HEADS * len(pos) + U_HEADS // world_size * seq_len) * 4 * 8
         calls = 0 if world_size == 1 else 4
-        assert (ledger.calls("all_to_all_single"), ledger.bytes("all_to_all_single")) == (calls, want), \
-            f"{what}: {ledger.summary()}, expected {calls} all-to-alls of {want} B in all"
+        assert_equal((ledger.calls("all_to_all_single"), ledger.bytes("all_to_all_single")), (calls, want),
+                     f"{what}: {ledger.summary()}, expected {calls} all-to-alls of {want} B in all")
     if world_size == 3:
         q = torch.zeros(1, 4, 8, 4)
         with pytest.raises(ValueError, match=r"number of attention heads 4 is not divisible by .* 3 \(4 = 1 \* 3 \+ 1\)"):

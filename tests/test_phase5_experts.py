@@ -20,7 +20,7 @@ import torch.nn as nn
 from distlab import load
 from distlab.comm import CommLedger
 from distlab.spawn import run_distributed
-from distlab.testing import assert_tensors_close
+from distlab.testing import assert_equal, assert_tensors_close
 
 PHASE = "phase5_large_models"
 WORLD_SIZES = [1, 2, 3, 4]
@@ -96,8 +96,9 @@ def _worker_all_to_all(rank, world_size):
                                for j in range(world_size)])
     assert_tensors_close(x.grad, expected_grad, f"rank {rank}: gradient of the all-to-all input", rtol=0, atol=0)
     sizes = [r.nbytes for r in ledger.records]
-    assert [r.op for r in ledger.records] == ["all_to_all_single"] * 2 and sizes == [x.nbytes, out.nbytes], \
-        f"rank {rank}: expected one all-to-all of {x.nbytes} B forward and {out.nbytes} B backward, got {ledger.summary()}"
+    assert_equal(([r.op for r in ledger.records], sizes), (["all_to_all_single"] * 2, [x.nbytes, out.nbytes]),
+                 f"rank {rank}: expected one all-to-all of {x.nbytes} B forward and {out.nbytes} B backward, "
+                 f"got {ledger.summary()}")
 
 
 @pytest.mark.exercise("5.5 differentiable all-to-all")
