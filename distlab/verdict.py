@@ -7,8 +7,9 @@ report what they checked; pytest's process, which never ran learner code, compar
    format, ...) would load it into pytest itself, where a patch would outlive the test. ``load()`` in
    pytest's process refuses a template (distlab/loader.py).
 2. Every comparison the test makes through distlab.testing (``assert_tensors_close`` and the helpers on
-   it, ``assert_ranks_identical``) is recorded where it is made, in a rank or in the child: the actual
-   value, the expected value, the tolerance, the test line. Ranks send their records with their result
+   it, ``assert_ranks_identical``; counts and byte totals through ``assert_equal``/``assert_at_most``) is
+   recorded where it is made, in a rank or in the child: the actual value, the expected value, the
+   tolerance, the test line. Ranks send their records with their result
    (a result without them is refused: it did not come from the launcher), the child sends all of them
    with its outcome.
 3. A test that failed fails. A test that passed is run again on the reference, in a child where no
@@ -18,15 +19,16 @@ report what they checked; pytest's process, which never ran learner code, compar
    baseline, with the reference run's tolerance? A rank whose comparison was switched off, whose
    baseline was bent to its wrong answer, or that wrote a forged "ok" and left before the checks, fails.
 
-What stays with the child: assertions written as plain ``assert`` (counts, bytes, timings, structure)
-run where the learner's code ran, and only their outcome comes back.
+The child's message is read as values and tensors only (``torch.load(weights_only=True)``): unpickling
+it could run code of the child's choosing here. What stays with the child: assertions written as plain
+``assert`` (timings, structure, peaks) run where the learner's code ran; only their outcome comes back.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import os
-import pickle
 import shutil
 import tempfile
 import threading
@@ -96,13 +98,15 @@ def run_in_child(item) -> None:
 def reference_checks(item) -> list[dict]:
     """The checks ``item`` records on the reference, run now in a forked child, and kept in the cache."""
     outcome = _fork(item, impl="solutions")
+    if outcome[0] == "skipped":  # on this machine the test cannot run (no GPU): nothing to compare
+        _raise(outcome)
     if outcome[0] != "passed":
         raise RuntimeError(f"{item.nodeid}: the same test on the reference did not pass, so the graded run's checks "
                            f"cannot be verified (a bench problem, not the submission's): {outcome[1:4]}")
     path = _cache_path(item)
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = path.with_name(f".{path.name}.{os.getpid()}")
-    scratch.write_bytes(pickle.dumps(outcome[1]))
+    scratch.write_bytes(_dumps(outcome[1]))
     os.replace(scratch, path)  # whole or absent: grading runs side by side share the cache
     return outcome[1]
 
@@ -127,14 +131,15 @@ def _bench_digest() -> str:
 def _cache_path(item) -> Path:
     folder = Path(os.environ.get(CACHE_ENV) or REPO / ".distlab" / "reference-checks")
     key = hashlib.sha256(item.nodeid.encode() + b"\0" + Path(item.path).read_bytes()).hexdigest()[:24]
-    return folder / _bench_digest() / f"{key}.pickle"
+    return folder / _bench_digest() / f"{key}.pt"
 
 
 def _cached(item) -> list[dict] | None:
     try:
-        return pickle.loads(_cache_path(item).read_bytes())
-    except (OSError, EOFError, pickle.UnpicklingError):
+        payload = _cache_path(item).read_bytes()
+    except OSError:
         return None
+    return _loads(payload)  # written whole by reference_checks: a file that does not read is an error
 
 
 def _snapshot(folder) -> str | None:
@@ -220,9 +225,9 @@ def _fork(item, impl: str | None = None) -> tuple:
         threading.Thread(target=_die_when_parent_does, args=(alive_r,), daemon=True).start()
         message = _child_body(item, impl)
         try:
-            payload = pickle.dumps(message)
+            payload = _dumps(message)
         except Exception as exc:
-            payload = pickle.dumps(("error", "builtins", "RuntimeError", f"could not send the outcome: {exc}", "", False))
+            payload = _dumps(("error", "builtins", "RuntimeError", f"could not send the outcome: {exc}", "", False))
         with os.fdopen(out_w, "wb") as f:
             f.write(payload)
         os._exit(0)
@@ -240,7 +245,27 @@ def _fork(item, impl: str | None = None) -> tuple:
         os.close(alive_w)
     if not payload:
         raise RuntimeError("the test's process died without an outcome (killed, or it exited early)")
-    return pickle.loads(payload)
+    try:
+        return _loads(payload)
+    except Exception as exc:
+        raise RuntimeError(f"the test's process sent an outcome the grader does not read: {str(exc)[:200]}") from None
+
+
+# Between processes and in the cache: torch's format, read back with weights_only=True, which rebuilds
+# tensors and plain values (tuples, lists, dicts, sets, strings, numbers) and nothing else. Unpickling
+# what a process that ran learner code wrote could run code of its choosing in this one.
+def _dumps(obj) -> bytes:
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _loads(payload: bytes):
+    import torch
+
+    return torch.load(io.BytesIO(payload), weights_only=True)
 
 
 def _raise(message: tuple) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -119,15 +120,17 @@ def nobody_runs_python() -> bool:
     return probe.returncode == 0
 
 
-def start_autograder(source: Path, root: Path, files: dict[str, Path], exercises: list[str], k: str):
-    """Gradescope's entry point, dry-run on a submission of ``files`` (name in the upload -> file), started."""
+def start_autograder(source: Path, root: Path, files: dict[str, Path], exercises: list[str], k: str,
+                     prefix: tuple[str, ...] = ()):
+    """Gradescope's entry point, dry-run on a submission of ``files`` (name in the upload -> file), started
+    (under ``prefix``, a command that runs the rest)."""
     for rel, path in files.items():
         (root / "submission" / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(path, root / "submission" / rel)
     args = " ".join(f"'{e}'" for e in exercises)
     env = {**os.environ, "AUTOGRADER": str(root), "SOURCE": str(source), "PYTHON": sys.executable,
            "GRADE_ARGS": f"--exercises {args} -- -k '{k}'"}
-    return subprocess.Popen(["bash", str(source / "run_autograder")], env=env, cwd=root, stdout=subprocess.PIPE,
+    return subprocess.Popen([*prefix, "bash", str(source / "run_autograder")], env=env, cwd=root, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -143,8 +146,35 @@ def finish_autograder(proc: subprocess.Popen, root: Path) -> dict:
     return results
 
 
-def run_autograder(source: Path, root: Path, files: dict[str, Path], exercises: list[str], k: str) -> dict:
-    return finish_autograder(start_autograder(source, root, files, exercises, k), root)
+def run_autograder(source: Path, root: Path, files: dict[str, Path], exercises: list[str], k: str,
+                   prefix: tuple[str, ...] = ()) -> dict:
+    return finish_autograder(start_autograder(source, root, files, exercises, k, prefix), root)
+
+
+# Gradescope's venv is /autograder/venv, which the rank user can read; here Python lives under /root (0700).
+# In a mount namespace of its own, the grading run sees a /root that holds only that Python tree, readable
+# by all, as /autograder/venv is (the host's /root is unchanged).
+AS_ON_GRADESCOPE = '''set -e
+tree=$1 spare=$2
+shift 2
+mount --bind "$tree" "$spare"
+mount -t tmpfs -o mode=0755 tmpfs /root
+mkdir -p "$tree"
+mount --bind "$spare" "$tree"
+exec "$@"
+'''
+
+
+def python_readable_by_all(spare: Path) -> tuple[str, ...]:
+    """A command prefix under which ``nobody`` can run this interpreter, or () where it already can."""
+    if nobody_runs_python():
+        return ()
+    prefix = Path(sys.prefix).resolve()
+    assert prefix.parts[:2] == ("/", "root"), f"{prefix}: expected the interpreter under /root"
+    tree = Path(*prefix.parts[:3])  # /root/.pyenv
+    spare.mkdir(parents=True, exist_ok=True)
+    return ("unshare", "--mount", "--propagation", "private", "bash", "-c", AS_ON_GRADESCOPE, "as-on-gradescope",
+            str(tree), str(spare))
 
 
 AT_ONCE = 3  # grading runs side by side: each is mostly one busy core (imports, one small world)
@@ -298,14 +328,26 @@ def test_a_locked_down_bundle_grades_honest_work_and_refuses_a_cheat(tmp_path):
              "template_checkpoint.py": finished("phase4_production", "checkpoint", tmp_path)}
     exercises = [GRADED[f][0] for f in list(files)[:2]] + list(CHECKPOINT)
     k = " or ".join(f"({e})" for e in [GRADED[f][1] for f in list(files)[:2]] + list(CHECKPOINT.values()))
-    results = run_autograder(source, tmp_path / "ag", files, exercises, k)
+    results = run_autograder(source, tmp_path / "ag", files, exercises, k, python_readable_by_all(tmp_path / "py"))
+    assert "grader: ranks run the submission as nobody" in results["stdout"], results["stdout"][-2000:]
     by_name = {t["name"]: t for t in results["tests"]}
-    assert by_name[exercises[0]]["score"] == 3, by_name[exercises[0]]  # ranks ran it as nobody (if it can)
+    assert by_name[exercises[0]]["score"] == 3, by_name[exercises[0]]  # ranks ran it as nobody
     assert by_name[exercises[1]]["score"] == 0, by_name[exercises[1]]
     for e in CHECKPOINT:  # ranks as nobody write checkpoints to the test's tmp_path
         assert by_name[e]["score"] == by_name[e]["max_score"] > 0, by_name[e]
-    if not nobody_runs_python():  # here: said, and the ranks stay root (the drop itself: the test above)
-        assert "ranks stay root: nobody cannot run" in results["stdout"], results["stdout"][-2000:]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the root path needs root, as Gradescope runs the grader")
+def test_run_autograder_says_when_ranks_stay_root(tmp_path):
+    """Where the rank user cannot run the interpreter, the grader says so (and ranks keep root)."""
+    (tmp_path / "source").mkdir()
+    (tmp_path / "source" / ".rank_user").write_text("nobody\n")
+    shutil.copy(REPO / "grading" / "gradescope" / "run_autograder", tmp_path / "source")
+    env = {**os.environ, "AUTOGRADER": str(tmp_path), "SOURCE": str(tmp_path / "source"),
+           "PYTHON": "/bin/false"}  # runs for root, not for nobody's probe either: the grade step then fails
+    proc = subprocess.run(["bash", str(tmp_path / "source" / "run_autograder")], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert "grader: ranks stay root: nobody cannot run /bin/false" in proc.stdout, proc.stdout + proc.stderr
 
 
 # --------------------------------------------------------------------------- the rules themselves
@@ -439,9 +481,21 @@ def test_the_parent_compares_reported_values_with_the_reference_runs_baseline():
         compare([count, {**budget, "actual": 4, "expected": 9}], [count, budget])
 
 
-def _worker_forges_its_result(rank, world_size):
-    import pickle
+class _RunsCodeWhenUnpickled:
+    def __reduce__(self):
+        return (os.getpid, ())  # harmless here; a forged outcome would name something worse
 
+
+def test_the_parent_reads_a_childs_outcome_as_values_and_tensors_only():
+    """The graded test's child ran learner code: unpickling its message could run code in pytest's process."""
+    from distlab import verdict
+
+    assert verdict._loads(verdict._dumps(("passed", [_check("t.py:1", [1.0], [1.0])])))[1][0]["site"] == "t.py:1"
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        verdict._loads(verdict._dumps(("passed", [_RunsCodeWhenUnpickled()])))
+
+
+def _worker_forges_its_result(rank, world_size):
     payload = pickle.dumps(("ok", "forged"))  # what a rank's result was before checks travelled with it
     frame = len(payload).to_bytes(4, "big") + payload
     for fd in range(3, 256):
@@ -513,7 +567,7 @@ def test_a_pass_reported_by_ranks_is_checked_against_the_reference_in_pytests_pr
     # As setup.sh builds the autograder: the reference's checks, recorded once for every submission.
     proc = subprocess.run([sys.executable, "-m", "pytest", *common, "--record-reference"], cwd=REPO,
                           capture_output=True, text=True, timeout=240, env=env)
-    (kept,) = cache.rglob("*.pickle")
+    (kept,) = cache.rglob("*.pt")
     assert proc.returncode == 0, proc.stdout[-3000:]
     recorded_at = kept.stat().st_mtime_ns
     scores = {}
@@ -527,5 +581,5 @@ def test_a_pass_reported_by_ranks_is_checked_against_the_reference_in_pytests_pr
     assert "found by the grader's process although the rank reported a pass" in scores["wrong"][1], \
         scores["wrong"][1][-3000:]
     assert scores["right"][0] == 3, scores["right"][1][-3000:]
-    assert list(cache.rglob("*.pickle")) == [kept] and kept.stat().st_mtime_ns == recorded_at, \
+    assert list(cache.rglob("*.pt")) == [kept] and kept.stat().st_mtime_ns == recorded_at, \
         "the grading runs ran the reference again instead of reading its recorded checks"
