@@ -119,16 +119,17 @@ def _check_tp_primitives(tp, rank, members, group):
     what = f"{where}, W={W}, copy_to_region"
     assert_tensors_close(y, xs[me], f"{what} forward", **EXACT)
     assert_tensors_close(gx, sum(gs), f"{what} backward (sum of every rank's gradient)", **TOL)
-    assert (fwd.calls(), bwd.calls("all_reduce"), bwd.bytes("all_reduce")) == (0, calls, calls * nbytes), \
-        f"{what}: forward {fwd.summary()}, backward {bwd.summary()}; expected one all-reduce of {nbytes} B backward"
+    assert_equal((fwd.calls(), bwd.calls("all_reduce"), bwd.bytes("all_reduce")), (0, calls, calls * nbytes),
+                 f"{what}: forward {fwd.summary()}, backward {bwd.summary()}; expected one all-reduce of {nbytes} B "
+                 "backward")
 
     # reduce_from_region: sum forward, identity backward (the doubled-gradient bug lives here).
     y, gx, fwd, bwd = run(tp.reduce_from_region, xs[me], gs[0])  # replicated output: same grad everywhere
     what = f"{where}, W={W}, reduce_from_region"
     assert_tensors_close(y, sum(xs), f"{what} forward (sum over ranks)", **TOL)
     assert_tensors_close(gx, gs[0], f"{what} backward (identity; W times this means an all-reduce too many)", **EXACT)
-    assert (fwd.calls("all_reduce"), fwd.bytes("all_reduce"), bwd.calls()) == (calls, calls * nbytes, 0), \
-        f"{what}: forward {fwd.summary()}, backward {bwd.summary()}; expected one all-reduce forward"
+    assert_equal((fwd.calls("all_reduce"), fwd.bytes("all_reduce"), bwd.calls()), (calls, calls * nbytes, 0),
+                 f"{what}: forward {fwd.summary()}, backward {bwd.summary()}; expected one all-reduce forward")
 
     # gather_from_region: concatenate forward, own slice of the gradient backward.
     g_full = _randn(3, 12 * W, seed=30)
@@ -136,7 +137,7 @@ def _check_tp_primitives(tp, rank, members, group):
     what = f"{where}, W={W}, gather_from_region"
     assert_tensors_close(y, torch.cat(xs, -1), f"{what} forward (concatenation in rank order)", **EXACT)
     own_slice(gx, g_full, f"{what} backward (own slice)")
-    assert bwd.calls() == 0 and fwd.calls() == calls, f"{what}: forward {fwd.summary()}, backward {bwd.summary()}"
+    assert_equal((bwd.calls(), fwd.calls()), (0, calls), f"{what}: forward {fwd.summary()}, backward {bwd.summary()}")
 
     # scatter_to_region: own slice forward, gradients gathered backward.
     x_full = _randn(3, 12, seed=40)
@@ -145,7 +146,7 @@ def _check_tp_primitives(tp, rank, members, group):
     what = f"{where}, W={W}, scatter_to_region"
     own_slice(y, x_full, f"{what} forward (own slice)")
     assert_tensors_close(gx, torch.cat(g_local, -1), f"{what} backward (gathered slices)", **EXACT)
-    assert fwd.calls() == 0 and bwd.calls() == calls, f"{what}: forward {fwd.summary()}, backward {bwd.summary()}"
+    assert_equal((fwd.calls(), bwd.calls()), (0, calls), f"{what}: forward {fwd.summary()}, backward {bwd.summary()}")
 
 
 @pytest.mark.exercise("2.15-2.16 tensor-parallel conjugate functions")
@@ -244,10 +245,10 @@ def _check_block_layer(rank, W, tp_layer, full_layer, name):
     # The Megatron volumes: one all-reduce of the activation forward, one backward.
     n = 0 if W == 1 else 1
     expected = (n, n * x.numel() * 8)
-    assert _all_reduce_calls(fwd) == expected and fwd.calls() == n, \
-        f"{what}: forward communication {fwd.summary()}, expected {n} all-reduce of {x.numel() * 8} B"
-    assert _all_reduce_calls(bwd) == expected and bwd.calls() == n, \
-        f"{what}: backward communication {bwd.summary()}, expected {n} all-reduce of {x.numel() * 8} B"
+    assert_equal((_all_reduce_calls(fwd), fwd.calls()), (expected, n),
+                 f"{what}: forward communication {fwd.summary()}, expected {n} all-reduce of {x.numel() * 8} B")
+    assert_equal((_all_reduce_calls(bwd), bwd.calls()), (expected, n),
+                 f"{what}: backward communication {bwd.summary()}, expected {n} all-reduce of {x.numel() * 8} B")
 
 
 def _worker_parallel_mlp_attention(rank, world_size):
@@ -400,12 +401,13 @@ def _worker_pipeline(rank, world_size, schedule, device="cpu"):  # tests/test_gp
                            f"{what}: {ledger.summary()}")
         # Memory: activations in flight (forward done, backward not yet) at the peak.
         expected_peak = m if schedule == "gpipe" else min(p - rank, m)
-        assert stage.peak_in_flight == expected_peak, \
-            f"rank {rank}, {schedule}, p={p}, m={m}: peak {stage.peak_in_flight} micro-batches in flight, " \
-            f"expected {expected_peak}" + (" (1F1B holds at most p - stage)" if schedule == "1f1b" else "")
+        assert_equal(stage.peak_in_flight, expected_peak,
+                     f"rank {rank}, {schedule}, p={p}, m={m}: peak {stage.peak_in_flight} micro-batches in flight, "
+                     f"expected {expected_peak}" + (" (1F1B holds at most p - stage)" if schedule == "1f1b" else ""))
         kinds = [e[3] for e in stage.events]
-        assert kinds.count("F") == kinds.count("B") == m, f"rank {rank}: timeline has {kinds.count('F')} F and " \
-                                                          f"{kinds.count('B')} B events in the last step, expected {m}"
+        assert_equal((kinds.count("F"), kinds.count("B")), (m, m),
+                     f"rank {rank}: timeline has {kinds.count('F')} F and {kinds.count('B')} B events in the last "
+                     f"step, expected {m}")
 
 
 @pytest.mark.exercise("2.12 GPipe schedule")
@@ -426,8 +428,9 @@ def test_split_microbatches_rejects_uneven_batch():
     pp = load(PHASE, "pipeline")
     with pytest.raises(ValueError, match=r"batch 10 is not divisible by the number of micro-batches 4 \(10 = 2 \* 4 \+ 2\)"):
         pp.split_microbatches(torch.zeros(10, 2), 4)
-    assert [t.shape[0] for t in pp.split_microbatches(torch.zeros(12, 2), 4)] == [3, 3, 3, 3]
-    assert pp.theoretical_bubble(4, 12) == 3 / 15
+    assert_equal([t.shape[0] for t in pp.split_microbatches(torch.zeros(12, 2), 4)], [3, 3, 3, 3],
+                 "split_microbatches(batch of 12, 4): expected 4 micro-batches of 3")
+    assert_equal(pp.theoretical_bubble(4, 12), 3 / 15, "theoretical_bubble(4 stages, 12 micro-batches): expected 3/15")
 
 
 # =========================================================================== 2.21-2.22 2D
@@ -441,16 +444,17 @@ def _worker_grid_layout(rank, world_size):
         expected_tp = tuple(range(rank // tp_size * tp_size, rank // tp_size * tp_size + tp_size))
         expected_dp = tuple(range(rank % tp_size, world_size, tp_size))
         got = (grid.tp_size, grid.dp_size, grid.tp_rank, grid.dp_rank, grid.tp_ranks, grid.dp_ranks)
-        assert got == (tp_size, dp_size, rank % tp_size, rank // tp_size, expected_tp, expected_dp), \
-            f"{what}: (tp_size, dp_size, tp_rank, dp_rank, tp_ranks, dp_ranks) = {got}"
-        assert tuple(dist.get_process_group_ranks(grid.tp_group)) == expected_tp, f"{what}: tp_group members"
-        assert tuple(dist.get_process_group_ranks(grid.dp_group)) == expected_dp, f"{what}: dp_group members"
-        assert dist.get_rank(grid.tp_group) == grid.tp_rank, f"{what}: rank within tp_group"
+        assert_equal(got, (tp_size, dp_size, rank % tp_size, rank // tp_size, expected_tp, expected_dp),
+                     f"{what}: (tp_size, dp_size, tp_rank, dp_rank, tp_ranks, dp_ranks) = {got}")
+        assert_equal(tuple(dist.get_process_group_ranks(grid.tp_group)), expected_tp, f"{what}: tp_group members")
+        assert_equal(tuple(dist.get_process_group_ranks(grid.dp_group)), expected_dp, f"{what}: dp_group members")
+        assert_equal(dist.get_rank(grid.tp_group), grid.tp_rank, f"{what}: rank within tp_group",
+                     baseline=False)  # grid.tp_rank is the learner's (checked against rank % tp_size above)
         # The groups work: a sum over each group is the sum of its members' ranks.
         for group, members in ((grid.tp_group, expected_tp), (grid.dp_group, expected_dp)):
             t = torch.tensor([float(rank)])
             dist.all_reduce(t, group=group)
-            assert t.item() == sum(members), f"{what}: all-reduce over {members} gave {t.item()}"
+            assert_equal(t.item(), sum(members), f"{what}: all-reduce over {members} gave {t.item()}")
 
 
 @pytest.mark.exercise("2.21 rank grid")
@@ -603,7 +607,7 @@ def _worker_sequence_parallel(rank, world_size):
         what = f"rank {rank}, W={W}, gather_from_sequence_region"
         assert_tensors_close(full, torch.cat(xs, 1), f"{what} forward (concatenation along T)", **EXACT)
         assert_tensors_close(x.grad, sum(gs).chunk(W, 1)[rank], f"{what} backward (reduce-scatter along T)", **TOL)
-        assert (fwd.calls(), bwd.calls()) == (1, 1), f"{what}: forward {fwd.summary()}, backward {bwd.summary()}"
+        assert_equal((fwd.calls(), bwd.calls()), (1, 1), f"{what}: forward {fwd.summary()}, backward {bwd.summary()}")
         y = gs[rank].clone().requires_grad_()
         out = sp.reduce_scatter_to_sequence_region(y)
         out.backward(xs[rank])
@@ -632,13 +636,17 @@ def _worker_sequence_parallel(rank, world_size):
         shard_bytes = xl.numel() * 8
         expected = {"all_gather_single": {"calls": 2, "bytes": 2 * shard_bytes},
                     "reduce_scatter_single": {"calls": 2, "bytes": 2 * W * shard_bytes}}
-        assert fwd.summary() == expected, f"{what}: forward moved {fwd.summary()}, expected {expected}"
+        assert_equal(fwd.summary(), expected, f"{what}: forward moved {fwd.summary()}, expected {expected}")
         replicated = sum(p.numel() * 8 for p in spb.parameters() if getattr(p, "sequence_parallel", False))
         back = bwd.summary()
         ar = back.pop("all_reduce", None)
-        assert back == expected, f"{what}: backward moved {bwd.summary()}, expected {expected} + the replicated gradients"
-        assert ar is not None and ar["bytes"] == replicated, \
-            f"{what}: all-reduced {ar} of replicated gradients, expected {replicated} B (LayerNorms, row biases)"
+        assert_equal(back, expected,
+                     f"{what}: backward moved {bwd.summary()}, expected {expected} + the replicated gradients")
+        # replicated: summed over the parameters the learner's block marks sequence_parallel
+        assert_equal(None if ar is None else ar["bytes"], replicated,
+                     f"{what}: all-reduced {ar} of replicated gradients, expected {replicated} B "
+                     "(LayerNorms, row biases)",
+                     baseline=False)
 
 
 @pytest.mark.exercise("2.23-2.24 sequence parallelism")
@@ -684,9 +692,9 @@ def _worker_interleaved(rank, world_size):
             assert_equal(ledger.sent_bytes(), sent, f"{what}: sent {ledger.sent_bytes()} B, expected {sent}")
         warmup = 2 * (p - rank - 1) + (v - 1) * p
         expected_peak = m * v if warmup >= m * v else warmup + 1
-        assert stage.peak_in_flight == expected_peak, \
-            f"rank {rank}, p={p}, v={v}, m={m}: peak {stage.peak_in_flight} (chunk, micro-batch) activations " \
-            f"in flight, expected {expected_peak} (warm-up {warmup} + 1)"
+        assert_equal(stage.peak_in_flight, expected_peak,
+                     f"rank {rank}, p={p}, v={v}, m={m}: peak {stage.peak_in_flight} (chunk, micro-batch) activations "
+                     f"in flight, expected {expected_peak} (warm-up {warmup} + 1)")
 
 
 @pytest.mark.exercise("2.14 interleaved 1F1B")
@@ -780,5 +788,5 @@ def test_pipeline_schedules_cannot_deadlock_under_nccl_stream_order(schedule, ch
     for p in (2, 3):  # p = 3: a cycle through three ranks, which no check of pairs sees
         for m in ([p + 1, 2 * p] if chunks == 1 else [2 * p]):  # m > p: the steady state runs
             stuck = _stuck_under_nccl(_launches(pp, schedule, p, chunks, m, monkeypatch))
-            assert not stuck, (f"{schedule}, p={p}, v={chunks}, m={m}: on NCCL these ranks wait forever in the "
-                               f"launch shown (each waits for a launch queued behind another): {stuck}")
+            assert_equal(stuck, {}, f"{schedule}, p={p}, v={chunks}, m={m}: on NCCL these ranks wait forever in the "
+                                    f"launch shown (each waits for a launch queued behind another): {stuck}")

@@ -61,7 +61,7 @@ def _sizes(numel: int, world_size: int) -> list[int]:
 
 def _check_p2p_only(ledger: CommLedger, what: str) -> None:
     ops = set(ledger.summary())
-    assert ops <= P2P_OPS, f"{what}: only point-to-point ops expected, saw {ledger.summary()}"
+    assert_at_most(ops, P2P_OPS, f"{what}: only point-to-point ops expected, saw {ledger.summary()}")
 
 
 # --------------------------------------------------------------------------- 3.1 reduce-scatter
@@ -198,9 +198,10 @@ def _worker_ring_allreduce_pipelined(rank, world_size):
         # sends each; the plain ring (one chunk per step) sends 2(W-1) messages of ~N/W bytes.
         sizes = [r.nbytes for r in ledger.records if r.op in ("send", "isend")]
         chunk = -(-10_001 // world_size)
-        assert max(sizes) <= 256 and len(sizes) >= 2 * (world_size - 1) * (chunk * 4 // 256), \
-            (f"rank {rank}: not pipelined: {len(sizes)} sends of up to {max(sizes)} B; expected at least "
-             f"{2 * (world_size - 1) * (chunk * 4 // 256)} sends of <= 256 B (slice_bytes)")
+        message = (f"rank {rank}: not pipelined: {len(sizes)} sends of up to {max(sizes)} B; expected at least "
+                   f"{2 * (world_size - 1) * (chunk * 4 // 256)} sends of <= 256 B (slice_bytes)")
+        assert_at_most(max(sizes), 256, message)
+        assert len(sizes) >= 2 * (world_size - 1) * (chunk * 4 // 256), message  # a lower bound: no recorded helper
 
 
 @pytest.mark.exercise("3.3 ring all-reduce")
@@ -258,7 +259,8 @@ def _worker_hierarchical(rank, world_size, ranks_per_node):
     groups = algos.make_node_groups(ranks_per_node)
     node_size = min(ranks_per_node, world_size - groups.node * ranks_per_node)
     num_nodes = -(-world_size // ranks_per_node)
-    assert (groups.node, groups.local_rank) == divmod(rank, ranks_per_node), f"rank {rank}: {groups}"
+    assert_equal((groups.node, groups.local_rank), divmod(rank, ranks_per_node),
+                 f"rank {rank}: {groups}: expected (node, local_rank) = {divmod(rank, ranks_per_node)}")
     for shape, dtype, op, inputs, expected in _cases(world_size):
         what = f"rank {rank}, hierarchical_allreduce({ranks_per_node} ranks/node), shape {shape}, {dtype}, op {op}"
         builtin = inputs[rank].clone()
@@ -276,11 +278,12 @@ def _worker_hierarchical(rank, world_size, ranks_per_node):
         # world-wide; everyone else talks inside its node only.
         across = [r for r in ledger.records if r.group_size != node_size or r.op == "all_reduce"]
         if groups.is_leader:
-            assert [(r.op, r.group_size) for r in across] == [("all_reduce", num_nodes)], \
-                f"{what}: a leader must make exactly one all-reduce among the {num_nodes} leaders, saw " \
-                f"{ledger.summary()}"
+            assert_equal([(r.op, r.group_size) for r in across], [("all_reduce", num_nodes)],
+                         f"{what}: a leader must make exactly one all-reduce among the {num_nodes} leaders, saw "
+                         f"{ledger.summary()}")
         else:
-            assert not across, f"{what}: a non-leader must only talk inside its node, saw {ledger.summary()}"
+            assert_equal([(r.op, r.group_size) for r in across], [],
+                         f"{what}: a non-leader must only talk inside its node, saw {ledger.summary()}")
         ref = mine.clone()
         dist.broadcast(ref, src=0)
         assert torch.equal(mine, ref), f"{what}: rank {rank} differs from rank 0 (all ranks must agree bitwise)"
@@ -350,10 +353,12 @@ def _worker_ps_equivalence(rank, world_size, num_servers, mode, fail_at=None, fa
         expected = torch.cat([p.detach().reshape(-1) for p, o in zip(baseline.parameters(), owners) if o == rank])
         assert_tensors_close(out["shard"], expected, f"rank {rank} (server), {mode}, final shard vs single process",
                              rtol=1e-10, atol=1e-10)  # same reason as above
-        assert out["pushes"] == (world_size - num_servers) * PS_STEPS, f"rank {rank}: {out['pushes']} pushes"
-        assert out["max_ahead"] == 0, f"rank {rank}: s=0 but a worker ran {out['max_ahead']} steps ahead"
+        assert_equal(out["pushes"], (world_size - num_servers) * PS_STEPS,
+                     f"rank {rank}: {out['pushes']} pushes, expected {(world_size - num_servers) * PS_STEPS}")
+        assert_equal(out["max_ahead"], 0, f"rank {rank}: s=0 but a worker ran {out['max_ahead']} steps ahead")
     else:
-        assert len(out["losses"]) == PS_STEPS and done[0] == PS_STEPS
+        assert_equal((len(out["losses"]), done[0]), (PS_STEPS, PS_STEPS),
+                     f"rank {rank} (worker): {len(out['losses'])} losses over {done[0]} steps, expected {PS_STEPS}")
 
 
 @pytest.mark.exercise("3.8 synchronous parameter server")
@@ -382,7 +387,7 @@ def _worker_ps_digits(rank, world_size, staleness):
     out = ps.parameter_server(model, ps.PSConfig(1, "async", staleness, lr=0.2), 120, get_batch, F.cross_entropy,
                               owners=[0] * len(list(model.parameters())))
     if out["role"] == "server":
-        assert out["max_ahead"] <= staleness, f"server granted a lead of {out['max_ahead']} > s={staleness}"
+        assert_at_most(out["max_ahead"], staleness, f"server granted a lead of {out['max_ahead']} > s={staleness}")
         return None
     with torch.no_grad():
         accuracy = (model(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean().item()
@@ -413,11 +418,12 @@ def test_parameter_server_demo_async_differs_from_sync_at_two_processes():
 
     args = demo.build_parser().parse_args([])
     local = demo.local_world_size(2, args)
-    assert local == 3, f"NPROC=2: the demo must start 1 server + 2 workers locally, got a world of {local}"
+    assert_equal(local, 3, f"NPROC=2: the demo must start 1 server + 2 workers locally, got a world of {local}")
     sync, stale = run_distributed(_ps_demo_results, local, 4)[0]
     # The baseline is the sync row: with two workers, async hands a worker parameters that
     # lack the other's update of the same step, so its losses differ; sync never runs ahead.
-    assert sync["max_lead"] == 0 and stale["max_lead"] >= 1, f"leads granted: sync {sync}, async {stale}"
+    assert_equal(sync["max_lead"], 0, f"leads granted: sync {sync}, async {stale}: sync must never run ahead")
+    assert stale["max_lead"] >= 1, f"leads granted: sync {sync}, async {stale}"  # a lower bound: no recorded helper
     assert sync["final_loss"] != stale["final_loss"], f"async equals sync at NPROC=2: {sync} vs {stale}"
 
 
@@ -456,7 +462,7 @@ def test_parameter_server_with_dead_worker_fails_or_continues_without_it(mode, h
     outcomes = run_distributed(_worker_ps_failure, world_size, mode, how, timeout_s=30)
     for rank, (kind, _, seconds) in enumerate(outcomes):
         assert seconds < 10, f"{mode}: rank {rank} took {seconds:.1f} s: a dead worker must not stall the job"
-    assert outcomes[3][0] == ("SystemExit" if how == "exit" else "_Crash"), f"rank 3: {outcomes[3]}"
+    assert_equal(outcomes[3][0], "SystemExit" if how == "exit" else "_Crash", f"rank 3: {outcomes[3]}")
     if mode == "sync":
         for rank in range(world_size - 1):
             kind, message, _ = outcomes[rank]
@@ -464,11 +470,14 @@ def test_parameter_server_with_dead_worker_fails_or_continues_without_it(mode, h
                 f"sync: rank {rank} must fail with an error naming worker rank 3, got {kind}: {message}"
     else:
         kind, out, _ = outcomes[0]
-        assert kind == "ok" and out["left"] == [3], f"async: the server must finish without rank 3, got {kind}: {out}"
-        assert out["pushes"] == 2 * 6 + 2, f"async: expected 14 pushes (2 workers x 6 + 2 before the crash), got {out}"
+        assert_equal((kind, out["left"] if kind == "ok" else None), ("ok", [3]),
+                     f"async: the server must finish without rank 3, got {kind}: {out}")
+        assert_equal(out["pushes"], 2 * 6 + 2,
+                     f"async: expected 14 pushes (2 workers x 6 + 2 before the crash), got {out}")
         for rank in (1, 2):
             kind, out, _ = outcomes[rank]
-            assert kind == "ok" and len(out["losses"]) == 6, f"async: worker {rank} must finish, got {kind}: {out}"
+            assert_equal((kind, len(out["losses"]) if kind == "ok" else None), ("ok", 6),
+                         f"async: worker {rank} must finish, got {kind}: {out}")
 
 
 @pytest.mark.exercise("3.7 greedy parameter sharding")
@@ -482,16 +491,18 @@ def test_assign_shards_balances_like_the_optimum():
         for servers in range(1, min(3, len(sizes)) + 1):
             owners = ps.assign_shards(sizes, servers)
             what = f"sizes {sizes}, {servers} servers -> owners {owners}"
-            assert len(owners) == len(sizes) and set(owners) <= set(range(servers)), what
+            assert_equal(len(owners), len(sizes), f"{what}: one owner per tensor expected")
+            assert_at_most(set(owners), set(range(servers)), f"{what}: owners must be servers 0..{servers - 1}")
             loads = ps.server_loads(sizes, owners, servers)
-            assert sum(loads) == sum(sizes), f"{what}: loads {loads}"
+            assert_equal(sum(loads), sum(sizes), f"{what}: loads {loads}")
             # Independent baseline: the best possible split, by brute force.
             best = min(max(sum(s for s, o in zip(sizes, assign) if o == k) for k in range(servers))
                        for assign in itertools.product(range(servers), repeat=len(sizes)))
             # Greedy largest-first is within 4/3 of the optimum (Graham 1969); a round-robin
             # or first-fit assignment fails these cases.
-            assert max(loads) <= 4 / 3 * best, f"{what}: max load {max(loads)} vs optimum {best}"
-    assert ps.server_loads([10] + [1] * 10, ps.assign_shards([10] + [1] * 10, 2), 2) == [10, 10]
+            assert_at_most(max(loads), 4 / 3 * best, f"{what}: max load {max(loads)} vs optimum {best}")
+    assert_equal(ps.server_loads([10] + [1] * 10, ps.assign_shards([10] + [1] * 10, 2), 2), [10, 10],
+                 "sizes [10] + [1] * 10 on 2 servers: loads [10, 10] expected")
 
 
 @pytest.mark.exercise("3.7 greedy parameter sharding")
