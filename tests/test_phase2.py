@@ -18,8 +18,8 @@ from distlab import load
 from distlab.comm import CommLedger
 from distlab.spawn import run_distributed
 from distlab.models import GPTConfig, TiedFrozenModel, TinyGPT, ToyMLP, seeded
-from distlab.testing import (assert_equal, assert_grads_close, assert_models_close, assert_ranks_identical,
-                             assert_tensors_close, shard)
+from distlab.testing import (assert_at_most, assert_equal, assert_grads_close, assert_models_close,
+                             assert_ranks_identical, assert_tensors_close, shard)
 
 PHASE = "phase2_advanced"
 WORLD_SIZES = [1, 2, 3, 4]
@@ -76,10 +76,10 @@ def _worker_grad_accumulation(rank, world_size, kind):
             what = f"micro-batch {micro} ({k} micro-steps of local batch {local})"
             # the step may sum in float32 (its `total`): 1e-6 relative; the last micro-batch's loss alone
             # or an unweighted sum is off by far more
-            assert abs(float(reported) - expected_loss.item()) <= 1e-6 * max(1.0, abs(expected_loss.item())), \
-                f"rank {rank}, step {step}, {what}: the step reported loss {float(reported):.6f}, expected " \
-                f"{expected_loss.item():.6f} (the mean over the rank's batch: every micro-batch's loss, weighted " \
-                "by its size)"
+            assert_at_most(abs(float(reported) - expected_loss.item()), 1e-6 * max(1.0, abs(expected_loss.item())),
+                           f"rank {rank}, step {step}, {what}: the step reported loss {float(reported):.6f}, expected "
+                           f"{expected_loss.item():.6f} (the mean over the rank's batch: every micro-batch's loss, "
+                           "weighted by its size)")
             # float64: reordered sums differ by ~1e-16; 1e-10 still catches a 1/k instead
             # of n_i/n_local weighting (off by a whole factor on the uneven micro-batch),
             # a gradient reduced twice, or a missing 1/W.
@@ -134,7 +134,8 @@ def test_no_sync_backward_matches_local_gradients(world_size):
 def test_split_micro_batches_rejects_bad_sizes():
     acc = load(PHASE, "grad_accumulation")
     x, y = torch.zeros(10, 2), torch.zeros(10)
-    assert [len(a) for a, _ in acc.split_micro_batches(x, y, 4)] == [4, 4, 2]
+    assert_equal([len(a) for a, _ in acc.split_micro_batches(x, y, 4)], [4, 4, 2],
+                 "10 samples in micro-batches of 4: sizes [4, 4, 2] expected")
     with pytest.raises(ValueError, match="micro_batch_size must be >= 1"):
         acc.split_micro_batches(x, y, 0)
     with pytest.raises(ValueError, match="10 samples but targets hold 9"):
@@ -193,11 +194,11 @@ def _worker_loss_scaler(rank, world_size):
             ours.update()
             what = f"rank {rank}, step {step}, {kwargs}"
             skipped = all(torch.equal(a, b) for a, b in zip(before, ours_model.parameters()))
-            assert skipped == (overflow is not None), \
-                f"{what}: step {'skipped' if skipped else 'taken'}, expected " \
-                f"{'a skip (some rank overflowed)' if overflow else 'a step'}"
-            assert ours.get_scale() == ref.get_scale(), \
-                f"{what}: scale {ours.get_scale()} != GradScaler's {ref.get_scale()}"
+            assert_equal(skipped, overflow is not None,
+                         f"{what}: step {'skipped' if skipped else 'taken'}, expected "
+                         f"{'a skip (some rank overflowed)' if overflow else 'a step'}")
+            assert_equal(ours.get_scale(), ref.get_scale(),
+                         f"{what}: scale {ours.get_scale()} != GradScaler's {ref.get_scale()}")
             # Same grads (same ops in one process), an exact power-of-two unscale: bitwise.
             assert_models_close(ours_model, ref_model, rank=rank, step=step, rtol=0, atol=0)
 
@@ -249,7 +250,7 @@ def _check_low_precision_gradients(mp, rank, world_size, dtype):
     mp.allreduce_gradients_fp32(layer)
     expected = (sum(g.to(dtype).float() for g in grads) / world_size).to(dtype)
     what = f"rank {rank}, W={world_size}, {dtype} gradients"
-    assert layer.weight.grad.dtype == dtype, f"{what}: p.grad became {layer.weight.grad.dtype}; it keeps its dtype"
+    assert_equal(layer.weight.grad.dtype, dtype, f"{what}: p.grad became {layer.weight.grad.dtype}; it keeps its dtype")
     assert layer.bias.grad is None, f"{what}: a parameter without a gradient got one"
     assert_tensors_close(layer.weight.grad, expected, f"{what}: the fp32 mean, written back into p.grad",
                          rtol=0, atol=0)  # one rounding, from the same fp32 value: bitwise
@@ -289,14 +290,15 @@ def _worker_mixed_precision_dp(rank, world_size, dtype_name, scaler_kind):
                                        shard(y, rank, world_size), dtype=dtype)
             inject["now"] = False
             what = f"rank {rank}, step {step}, {kind}, {dtype_name}"
-            assert stepped == (step != MP_OVERFLOW_STEP), \
-                f"{what}: stepped={stepped}, but rank {world_size - 1} overflowed at step {MP_OVERFLOW_STEP}"
-            assert scaler.get_scale() == base_scaler.get_scale(), \
-                f"{what}: scale {scaler.get_scale()} != single-process GradScaler's {base_scaler.get_scale()}"
-            for name, p in model.named_parameters():  # fp32 master weights and gradients
-                assert p.dtype == torch.float32 and (p.grad is None or p.grad.dtype == torch.float32), \
-                    f"{what}: parameter {name} is {p.dtype}, its gradient " \
-                    f"{None if p.grad is None else p.grad.dtype}: master weights and gradients must stay fp32"
+            assert_equal(stepped, step != MP_OVERFLOW_STEP,
+                         f"{what}: stepped={stepped}, but rank {world_size - 1} overflowed at step {MP_OVERFLOW_STEP}")
+            assert_equal(scaler.get_scale(), base_scaler.get_scale(),
+                         f"{what}: scale {scaler.get_scale()} != single-process GradScaler's {base_scaler.get_scale()}")
+            for name, p in model.named_parameters():  # fp32 master weights and gradients (or none)
+                grad_dtype = torch.float32 if p.grad is None else p.grad.dtype
+                assert_equal((p.dtype, grad_dtype), (torch.float32, torch.float32),
+                             f"{what}: parameter {name} is {p.dtype}, its gradient "
+                             f"{None if p.grad is None else p.grad.dtype}: master weights and gradients must stay fp32")
             # The matmuls round their results to bf16 (8-bit mantissa: 2^-9 relative) or
             # fp16 (2^-12) after summing over a shard instead of the whole batch, and the
             # rounding errors compound over 5 steps at lr 0.5 with momentum. Measured: at
@@ -345,8 +347,9 @@ def test_loss_scaler_stops_a_run_with_nan_inputs_naming_the_first_non_finite_gra
             scaler.update()
     said = [str(w.message) for w in caught if "DynamicLossScaler" in str(w.message)]
     # the 10th skip runs at 2^16 / 2^9 (nine back-offs before it)
-    assert len(said) == 1 and "10 steps in a row skipped" in said[0] and "at scale 128" in said[0], said
-    assert steps == 50, f"stopped at step {steps}, expected the 50th skip in a row"
+    assert_equal(len(said), 1, f"expected one warning from DynamicLossScaler, got {said}")
+    assert "10 steps in a row skipped" in said[0] and "at scale 128" in said[0], said
+    assert_equal(steps, 50, f"stopped at step {steps}, expected the 50th skip in a row")
     assert re.search(r"50 steps in a row .* the first non-finite gradient is fc1\.weight \(32, 8\) \(nan\)\. "
                      r"Check the inputs", str(info.value)), str(info.value)
 
@@ -378,13 +381,14 @@ def _worker_scaler_names_the_rank(rank, world_size):
 def test_loss_scaler_stop_names_the_rank_that_holds_the_non_finite_gradient():
     results = run_distributed(_worker_scaler_names_the_rank, 3)
     for rank, (step, error, warned) in enumerate(results):
-        assert step == 4 and error is not None, f"rank {rank}: no stop after {step} skipped steps (bound 4)"
+        assert_equal(step, 4, f"rank {rank}: no stop after {step} skipped steps (bound 4)")
+        assert error is not None, f"rank {rank}: no stop after {step} skipped steps (bound 4)"
         assert "the first non-finite gradient is parameter 5 of the optimizer (3,) (nan) on rank 1." in error, \
             f"rank {rank}: {error}"
         # one warning per run, from group rank 0, at 2 skips in a row (at the scale of the second: 2^15)
         expected = ["2 steps in a row skipped for inf/nan gradients, at scale 32768"] if rank == 0 else []
-        assert [w.split(": ", 1)[1][:len(expected[0])] for w in warned] == expected if expected else warned == [], \
-            f"rank {rank}: warnings {warned}"
+        got = [w.split(": ", 1)[1][:len(expected[0])] for w in warned] if expected else warned
+        assert_equal(got, expected, f"rank {rank}: warnings {warned}")
 
 
 @pytest.mark.exercise("2.3-2.4 dynamic loss scaler")
@@ -426,7 +430,7 @@ def test_checkpointed_gradients_match_plain_backward(dropout, every):
     plain = _gpt(dropout).double()
     ckpt = copy.deepcopy(plain)
     wrapped = ac.apply_activation_checkpointing(ckpt.blocks, every=every)
-    assert wrapped == -(-3 // every), f"every={every}: wrapped {wrapped} of 3 blocks"
+    assert_equal(wrapped, -(-3 // every), f"every={every}: wrapped {wrapped} of 3 blocks")
     for step in range(2):  # twice: .grad accumulates across backwards the same way
         plain_loss, plain_rng = _forward_backward(plain, x, y, seed=step)
         ckpt_loss, ckpt_rng = _forward_backward(ckpt, x, y, seed=step)
@@ -473,8 +477,9 @@ def test_checkpointing_saves_less_activation_memory_than_plain(every):
     with ac.SavedActivationMeter(model.blocks[0].parameters()) as ckpt_block_meter:
         ac.checkpoint(model.blocks[0], h)
     input_bytes = h.numel() * h.element_size()
-    assert ckpt_block_meter.bytes == input_bytes, \
-        f"a checkpointed block saved {ckpt_block_meter.bytes} B for backward, expected only its input, {input_bytes} B"
+    assert_equal(ckpt_block_meter.bytes, input_bytes,
+                 f"a checkpointed block saved {ckpt_block_meter.bytes} B for backward, expected only its input, "
+                 f"{input_bytes} B")
     # The whole model: each checkpointed block trades its insides for its input.
     with ac.SavedActivationMeter(model.parameters()) as plain_meter:
         model(x, y)
@@ -487,9 +492,9 @@ def test_checkpointing_saves_less_activation_memory_than_plain(every):
           f"{plain_meter.bytes} B plain -> {ckpt_meter.bytes} B checkpointed "
           f"(one block: {block_meter.bytes} B plain, {input_bytes} B checkpointed)")
     # Exact: the meter counts storages, and the blocks have identical shapes.
-    assert ckpt_meter.bytes == expected, \
-        f"every={every}: {ckpt_meter.bytes} B saved with checkpointing, expected {expected} B " \
-        f"= {plain_meter.bytes} plain - {wrapped} x ({block_meter.bytes} per block - {input_bytes} input)"
+    assert_equal(ckpt_meter.bytes, expected,
+                 f"every={every}: {ckpt_meter.bytes} B saved with checkpointing, expected {expected} B "
+                 f"= {plain_meter.bytes} plain - {wrapped} x ({block_meter.bytes} per block - {input_bytes} input)")
     assert ckpt_meter.bytes < plain_meter.bytes
 
 

@@ -62,12 +62,12 @@ def test_zigzag_layout_matches_the_definition():
     ring = load(PHASE, "ring_attention")
     # 10 tokens, 4 chunks of tensor_split sizes 3, 3, 2, 2: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
     got = [p.tolist() for p in ring.sequence_layout(10, 2, "zigzag")]
-    assert got == [[0, 1, 2, 8, 9], [3, 4, 5, 6, 7]], f"zigzag layout of 10 tokens on 2 ranks: {got}"
+    assert_equal(got, [[0, 1, 2, 8, 9], [3, 4, 5, 6, 7]], f"zigzag layout of 10 tokens on 2 ranks: {got}")
     for seq_len, world_size in ((24, 3), (13, 4), (8, 4), (9, 1)):
         got = ring.sequence_layout(seq_len, world_size, "zigzag")
         want = _layout(seq_len, world_size, "zigzag")
-        assert [p.tolist() for p in got] == [p.tolist() for p in want], \
-            f"zigzag layout of {seq_len} tokens on {world_size} ranks: {[p.tolist() for p in got]}"
+        assert_equal([p.tolist() for p in got], [p.tolist() for p in want],
+                     f"zigzag layout of {seq_len} tokens on {world_size} ranks: {[p.tolist() for p in got]}")
     with pytest.raises(ValueError, match=r"sequence length 7 is shorter than the 8 chunks"):
         ring.sequence_layout(7, 4, "zigzag")
 
@@ -175,7 +175,7 @@ def _worker_ring(rank, world_size, device="cpu"):  # tests/test_gpu.py: "cuda" o
             _compare_rows(what, pos, out, (q.grad, k.grad, v.grad), ref)
             got = (fwd_sent, ledger.sent_bytes(), ledger.received_bytes())
             want = _expected_ring_bytes(layout, rank, elem=8)  # float64
-            assert got == want, f"{what}: (sent forward, sent, received) = {got} B, expected {want} B"
+            assert_equal(got, want, f"{what}: (sent forward, sent, received) = {got} B, expected {want} B")
             mine = torch.tensor([stats.get("score_elements", 0)])
             every = [torch.zeros_like(mine) for _ in range(world_size)]
             dist.all_gather(every, mine)
@@ -186,7 +186,8 @@ def _worker_ring(rank, world_size, device="cpu"):  # tests/test_gpu.py: "cuda" o
             # zig-zag: its diagonal (2c)^2 and half of every other block, 2c*c: the same on every rank.
             want = {"contiguous": [(r + 1) * (2 * c) ** 2 for r in range(world_size)],
                     "zigzag": [(2 * c) ** 2 + (world_size - 1) * 2 * c * c] * world_size}
-            assert work == want, f"T={seq_len}, W={world_size}: attention scores computed per rank {work}, expected {want}"
+            assert_equal(work, want,
+                         f"T={seq_len}, W={world_size}: attention scores computed per rank {work}, expected {want}")
         elif world_size > 1:  # uneven chunks: zig-zag within one token row/column of balance, contiguous far off
             ratio = {kind: max(w) / min(w) for kind, w in work.items()}
             assert ratio["zigzag"] < ratio["contiguous"], f"T={seq_len}: max/min work per rank {ratio} ({work})"
