@@ -149,7 +149,7 @@ def _worker_moe(rank, world_size, device="cpu"):  # tests/test_gpu.py: "cuda" on
         ((ref_out * upstream).sum() + ref_aux).backward()
         # expert parallel: my tokens, my experts
         layer = moe.ExpertParallelMoE(copy.deepcopy(router), experts, top_k=K, capacity_factor=cf, aux_loss_coef=COEF)
-        assert layer.experts.w1.shape[0] == per_rank, f"{what}: holds {layer.experts.w1.shape[0]} experts, not E/W"
+        assert_equal(layer.experts.w1.shape[0], per_rank, f"{what}: holds {layer.experts.w1.shape[0]} experts, not E/W")
         x = x_all[mine].clone().requires_grad_()
         ledger = CommLedger()
         with ledger:
@@ -170,9 +170,10 @@ def _worker_moe(rank, world_size, device="cpu"):  # tests/test_gpu.py: "cuda" on
         stats = layer.stats
         kept_here = int(ref_keep[mine].sum())
         received = sum(ref_filled[my_experts])
-        assert stats.tokens_per_expert.tolist() == ref_filled[my_experts], \
-            f"{what}: tokens per expert {stats.tokens_per_expert.tolist()} != {ref_filled[my_experts]}"
-        assert stats.dropped == K * tokens[rank] - kept_here, f"{what}: dropped {stats.dropped}"
+        assert_equal(stats.tokens_per_expert.tolist(), ref_filled[my_experts],
+                     f"{what}: tokens per expert {stats.tokens_per_expert.tolist()} != {ref_filled[my_experts]}")
+        assert_equal(stats.dropped, K * tokens[rank] - kept_here,
+                     f"{what}: dropped {stats.dropped}, expected {K * tokens[rank] - kept_here}")
         if cf == CAPACITY_FACTORS[-1]:
             assert bool(ref_keep.all()), "capacity C = N must keep every pair"
         else:
@@ -184,8 +185,8 @@ def _worker_moe(rank, world_size, device="cpu"):  # tests/test_gpu.py: "cuda" on
                     ("all_to_all_single", kept_here * row), ("all_to_all_single", received * row),
                     ("all_to_all_single", kept_here * row), ("all_to_all_single", received * row)]
         got = [(r.op, r.nbytes) for r in ledger.records]
-        assert got == expected, f"{what}: collectives {got}, expected {expected} " \
-                                f"({kept_here} pairs sent, {received} received, {row} B per row)"
+        assert_equal(got, expected, f"{what}: collectives {got}, expected {expected} "
+                                    f"({kept_here} pairs sent, {received} received, {row} B per row)")
 
 
 @pytest.mark.exercise("5.6-5.8 expert-parallel MoE layer")

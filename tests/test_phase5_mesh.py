@@ -23,7 +23,7 @@ from distlab import load
 from distlab.comm import CommLedger
 from distlab.spawn import run_distributed
 from distlab.models import GPTConfig, TinyGPT, seeded
-from distlab.testing import assert_tensors_close, max_abs_diff, shard
+from distlab.testing import assert_equal, assert_tensors_close, max_abs_diff, shard
 
 PHASE = "phase5_large_models"
 # d=24, 4d=96 and n_head=12 divide by 1-4 (whole heads per rank); T=12 too (sequence shards).
@@ -104,15 +104,16 @@ def _worker_tp_plan(rank, world_size):
             _compare(model, ref, f"{what}, step {step}", grads=True)
             for name, mode in (("forward", fwd), ("backward", bwd)):
                 calls, nbytes = _expected_tp_comm(world_size, sp)[name]
-                assert mode.calls() == calls and dict(mode.nbytes) == nbytes, \
-                    f"{what}, step {step}: {name} moved {mode.calls()} calls, {dict(mode.nbytes)} B; " \
-                    f"expected {calls}, {nbytes} B (Phase 2's volumes)"
+                assert_equal((dict(mode.calls()), dict(mode.nbytes)), (calls, nbytes),
+                             f"{what}, step {step}: {name} moved {mode.calls()} calls, {dict(mode.nbytes)} B; "
+                             f"expected {calls}, {nbytes} B (Phase 2's volumes)")
             opt.step()
             ref_opt.step()
             _compare(model, ref, f"{what}, after step {step}", grads=False)
         local = model.blocks[0].mlp.fc.weight.to_local()
-        assert local.shape == (4 * CFG.n_embd // world_size, CFG.n_embd), \
-            f"{what}: blocks.0.mlp.fc.weight holds {tuple(local.shape)} locally, expected a 1/{world_size} row shard"
+        assert_equal(tuple(local.shape), (4 * CFG.n_embd // world_size, CFG.n_embd),
+                     f"{what}: blocks.0.mlp.fc.weight holds {tuple(local.shape)} locally, "
+                     f"expected a 1/{world_size} row shard")
 
 
 @pytest.mark.exercise("5.9 tensor-parallel plan for TinyGPT")
@@ -127,11 +128,12 @@ def _worker_2d(rank, world_size, tp_size, sp):
     mesh = lesson.build_mesh(world_size, tp_size)
     dp_size = world_size // tp_size
     what = f"rank {rank}, W={world_size} = dp {dp_size} x tp {tp_size}, sp={sp}"
-    assert mesh.mesh_dim_names == ("dp", "tp") and tuple(mesh.shape) == (dp_size, tp_size), \
-        f"{what}: mesh {mesh.mesh_dim_names} {tuple(mesh.shape)}"
+    assert_equal((mesh.mesh_dim_names, tuple(mesh.shape)), (("dp", "tp"), (dp_size, tp_size)),
+                 f"{what}: mesh {mesh.mesh_dim_names} {tuple(mesh.shape)}, "
+                 f"expected ('dp', 'tp') ({dp_size}, {tp_size})")
     # Phase 2's layout: tp rows of neighbouring ranks, rank = dp_rank * tp_size + tp_rank.
-    assert mesh["tp"].mesh.tolist() == [rank // tp_size * tp_size + t for t in range(tp_size)], \
-        f"{what}: tp row {mesh['tp'].mesh.tolist()}"
+    tp_row = [rank // tp_size * tp_size + t for t in range(tp_size)]
+    assert_equal(mesh["tp"].mesh.tolist(), tp_row, f"{what}: tp row {mesh['tp'].mesh.tolist()}, expected {tp_row}")
     ref = seeded(TinyGPT, 0, CFG).double()
     model = lesson.parallelize_tinygpt(copy.deepcopy(ref), mesh, sequence_parallel=sp)
     opt, ref_opt = _adamw(model), _adamw(ref)
@@ -147,7 +149,8 @@ def _worker_2d(rank, world_size, tp_size, sp):
         _compare(model, ref, f"{what}, after step {step}", grads=False)
     local = model.blocks[0].mlp.fc.weight.to_local()
     expected = (4 * CFG.n_embd // world_size, CFG.n_embd)  # rows split by tp, then by dp
-    assert local.shape == expected, f"{what}: fc.weight holds {tuple(local.shape)} locally, expected {expected}"
+    assert_equal(tuple(local.shape), expected,
+                 f"{what}: fc.weight holds {tuple(local.shape)} locally, expected {expected}")
 
 
 @pytest.mark.exercise("5.9-5.10 2D mesh: tensor parallel x FSDP2")  # uses the 5.9 plan
@@ -213,9 +216,9 @@ def _worker_zero3_vs_fsdp2(rank, world_size):
         for who, ledger in ledgers.items():
             got = (ledger.calls("all_gather_single"), ledger.bytes("all_gather_single"),
                    ledger.calls("reduce_scatter_single"), ledger.bytes("reduce_scatter_single"))
-            assert got == (4, 2 * psi // world_size, 2, psi), \
-                f"{what}: {who} moved {ledger.summary()}; expected 4 all-gathers of 2 x {psi // world_size} B " \
-                f"in all and 2 reduce-scatters of {psi} B (ZeRO-3: 3 Psi (W-1)/W on the wire)"
+            assert_equal(got, (4, 2 * psi // world_size, 2, psi),
+                         f"{what}: {who} moved {ledger.summary()}; expected 4 all-gathers of 2 x {psi // world_size} B "
+                         f"in all and 2 reduce-scatters of {psi} B (ZeRO-3: 3 Psi (W-1)/W on the wire)")
     assert max_abs_diff(torch_out, torch_model(xs).detach()) > 1e-6, f"rank {rank}: the last step changed nothing"
 
 
