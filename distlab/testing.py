@@ -110,10 +110,36 @@ def _record(what: str, actual: torch.Tensor, expected: torch.Tensor, rtol, atol,
                          "expected": _kept(expected), "rtol": rtol, "atol": atol, "baseline": baseline})
 
 
+def _plain(value):
+    """``value`` as data the grader's process reads back (torch.load(weights_only=True)): numbers, strings,
+    None, tensors, and tuples, lists, dicts and sets of them. A numpy or 0-d value becomes its Python number
+    (a learner's sampler may yield numpy ints: they equal the ints torch's gives), a dtype stays, a device or
+    a class becomes its name, anything else its repr."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return _kept(value)
+    if isinstance(value, tuple):  # a named tuple equals the plain one
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return {_plain(v) for v in value}
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if hasattr(value, "item") and hasattr(value, "dtype") and getattr(value, "ndim", None) == 0:
+        return value.item()  # numpy scalars
+    if isinstance(value, torch.device):
+        return f"device {value}"
+    if isinstance(value, type):
+        return f"class {value.__module__}.{value.__qualname__}"
+    return repr(value)
+
+
 def _record_value(kind: str, what: str, actual, expected, baseline: bool) -> None:
     if _records is not None:
-        _records.append({"site": _site(), "what": what, "rank": None, "kind": kind, "actual": actual,
-                         "expected": expected, "baseline": baseline})
+        _records.append({"site": _site(), "what": what, "rank": None, "kind": kind, "actual": _plain(actual),
+                         "expected": _plain(expected), "baseline": baseline})
 
 
 def assert_equal(actual, expected, what: str, *, baseline: bool = True) -> None:

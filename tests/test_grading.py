@@ -218,3 +218,45 @@ def test_score_of_an_exercise_with_tests_left_out_is_marked_partial():
     assert report["partial"] and [t["partial"] for t in report["tests"]] == [True, False], report["tests"]
     assert report["tests"][0]["output"].startswith("partial: 1 of 3 tests run"), report["tests"][0]["output"]
     assert exercise_scores(results, {ex: 3})[ex]["partial"] is False  # nothing known about collection: as before
+
+
+def test_every_graded_test_lives_in_a_file_the_graders_run():
+    """distlab.grade (Gradescope) and distlab.bugs run the phase test files only: a test marked with an
+    exercise anywhere else would count in a learner's pytest and never on Gradescope."""
+    import ast
+
+    from distlab.grade import phase_test_files
+
+    graded_files = {Path(f).name for f in phase_test_files()}
+    for path in sorted((REPO / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):  # decorators only: test code inside strings is not
+            if isinstance(node, ast.FunctionDef) and any(
+                    "mark.exercise" in ast.unparse(d) for d in node.decorator_list):
+                assert path.name in graded_files, f"{path.name}::{node.name} is graded but not in {sorted(graded_files)}"
+
+
+def test_recorded_values_reach_the_grader_as_plain_data():
+    """A learner's value that equals the expected one in the rank (a numpy int, a named tuple, a device) is
+    recorded as data torch.load(weights_only=True) reads back, and still equals it in the grader's process."""
+    import collections
+
+    import numpy as np
+    import torch
+
+    from distlab import testing, verdict
+
+    pair = collections.namedtuple("pair", "a b")
+    cases = [([np.int64(3), np.float32(0.5)], [3, 0.5]), (pair(1, 2), (1, 2)),
+             ((torch.device("cpu"), torch.optim.AdamW, torch.float32), (torch.device("cpu"), torch.optim.AdamW,
+                                                                        torch.float32)),
+             ({"all_reduce": {"calls": np.int32(2)}}, {"all_reduce": {"calls": 2}})]
+    saved = testing._records
+    try:
+        testing._records = []
+        for actual, expected in cases:
+            testing.assert_equal(actual, expected, "a learner's value")
+        records = verdict._loads(verdict._dumps(testing.take_records()))
+    finally:
+        testing._records = saved
+    verdict.compare(records, records)
+    assert all(r["actual"] == r["expected"] for r in records), records

@@ -123,8 +123,8 @@ def _torch_roundtrip(obj):
 
 def _assert_same(actual, expected, what):
     if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype and torch.equal(actual, expected), \
-            f"{what}: {actual!r} != {expected!r}"
+        assert isinstance(actual, torch.Tensor), f"{what}: {actual!r} is no tensor"
+        assert_tensors_close(actual, expected, what, rtol=0, atol=0)  # dtype and every bit
     elif isinstance(expected, dict):
         assert isinstance(actual, dict), f"{what}: {actual!r} is no dict"
         assert_equal(set(actual), set(expected), f"{what}: keys {list(actual)} != {list(expected)}")
@@ -239,7 +239,8 @@ def _worker_manager(rank, world_size, directory):
     found = manager.latest()
     assert_equal((found.step, found.world_size), (8, world_size), f"rank {rank}: latest is {found}")
     for r in range(world_size):
-        assert torch.equal(found.load(r)["w"], torch.full((3,), 80.0 + r)), f"rank {rank}: rank {r}'s file"
+        assert_tensors_close(found.load(r)["w"], torch.full((3,), 80.0 + r), f"rank {rank}: rank {r}'s file",
+                             rtol=0, atol=0)
     dist.barrier()
     if rank == 0:
         # A crash mid-save of step 10 left a staging directory; step 8's last rank file is
@@ -258,7 +259,8 @@ def _worker_manager(rank, world_size, directory):
     text = " | ".join(str(w.message) for w in caught)
     assert "step_00000008" in text and "step_00000006" in text, \
         f"rank {rank}: warnings must name the skipped steps: {text}"
-    assert torch.equal(found.load(rank)["w"], torch.full((3,), 40.0 + rank)), f"rank {rank}: step 4's data"
+    assert_tensors_close(found.load(rank)["w"], torch.full((3,), 40.0 + rank), f"rank {rank}: step 4's data",
+                         rtol=0, atol=0)
     dist.barrier()
     if rank == 0:  # a rank's file missing (a node lost its disk): the checkpoint is incomplete
         (Path(directory) / "step_00000004" / f"rank{world_size - 1}.pt").unlink()
@@ -367,8 +369,8 @@ def test_reshard_flat_matches_concatenation():
                     start, end = elastic.shard_range(numel, r, w_new)
                     out = elastic.reshard_flat(reversed(pieces), start, end)  # any order of pieces
                     # Copies only: bitwise equal.
-                    assert torch.equal(out, full[start:end]), \
-                        f"numel {numel}, W {w_old}->{w_new}, rank {r} [{start}, {end}): {out} != {full[start:end]}"
+                    assert_tensors_close(out, full[start:end], f"numel {numel}, W {w_old}->{w_new}, rank {r} "
+                                         f"[{start}, {end})", rtol=0, atol=0)
     with pytest.raises(ValueError, match="none of the saved pieces"):
         elastic.reshard_flat([(0, 3, torch.zeros(3)), (5, 8, torch.zeros(3))], 2, 6)
 
@@ -528,9 +530,8 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
         # Same world size, same kernels, same all-reduce order: a resume that restores
         # every piece of state is bitwise identical to never having stopped.
         reference = torch.tensor(value, dtype=final[name].dtype)
-        if not torch.equal(final[name], reference):
-            raise AssertionError(f"{what}: parameter {name} differs from the uninterrupted run by "
-                                 f"{(final[name] - reference).abs().max().item():.3e}")
+        assert_tensors_close(final[name], reference, f"{what}: parameter {name} vs the uninterrupted run",
+                             rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------------- 4.8-4.10 compression hooks
@@ -569,7 +570,7 @@ def _worker_cast(rank, world_size):
             inputs = [torch.arange(8, dtype=torch.float32) * (r + 1) for r in range(world_size)]
             buffer = inputs[rank].clone()
             out = hook(None, _bucket(comp, buffer, [(8,)])).wait()
-            assert torch.equal(out, torch.stack(inputs).mean(0)), f"rank {rank}, {name}: {out} not exact"
+            assert_tensors_close(out, torch.stack(inputs).mean(0), f"rank {rank}, {name}: exact", rtol=0, atol=0)
     # Large gradients: W * 40000 overflows fp16 (max 65504) unless each rank divides by W
     # before the all-reduce; the mean (40000) itself fits.
     if world_size > 1:
@@ -922,6 +923,4 @@ def test_node_loss_shrinks_the_job_like_resuming_on_fewer_ranks(tmp_path):
     final = torch.load(out, weights_only=True)
     for name, value in expected.items():
         reference = torch.tensor(value, dtype=final[name].dtype)
-        assert torch.equal(final[name], reference), \
-            f"parameter {name} differs from 2-then-1-rank training by " \
-            f"{(final[name] - reference).abs().max().item():.3e}"
+        assert_tensors_close(final[name], reference, f"parameter {name} vs 2-then-1-rank training", rtol=0, atol=0)
