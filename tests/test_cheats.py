@@ -10,7 +10,8 @@ side, and each exercise runs one cheap test (-k): the reason is what is checked,
 What stops each one is in README.md's grading section.
 
 The tests that grade whole submissions (the catalogue, the locked-down bundle, untouched, honest
-and duplicate uploads: about a minute of grading runs) form the catalogue tier: marked
+and duplicate uploads, a rank's reported pass checked by the grader's process: about a minute of
+grading runs) form the catalogue tier: marked
 ``catalogue`` and skipped unless DISTLAB_CATALOGUE=1, which ``.ci/run`` sets for its own run after
 the main suite, timed apart as the cluster tier is. The rules, the import guard and the verdict's
 process run in the main suite.
@@ -549,9 +550,12 @@ def test_sum():
 '''
 
 
+@catalogue
+@only_in_the_tier
 def test_a_pass_reported_by_ranks_is_checked_against_the_reference_in_pytests_process(tmp_path):
     """End to end: the in-rank comparison is gone, the ranks report a wrong sum; the grading run's pytest
-    process fails the test against the reference run's baseline. The finished template scores."""
+    process fails the test against the reference run's baseline, read from the checks setup.sh's
+    --record-reference kept. The finished template scores."""
     tests = tmp_path / "test_subverted.py"
     tests.write_text(SUBVERTED_TESTS)
     wrong = tmp_path / "wrong" / "phase1_data_parallel"

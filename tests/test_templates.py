@@ -235,6 +235,8 @@ def test_untouched_templates_fail_with_learner_todo(test_file, untouched_templat
     assert per_test, f"no tests ran from {test_file.name}"
     problems = []
     for nodeid, r in per_test.items():
+        if r["exercise"] == "bench":
+            continue  # not graded: it checks the bench's given code (distlab.lessons), which templates keep
         if r["scaffold"]:
             if r["outcome"] != "passed":
                 problems.append(f"{nodeid}: scaffold test should pass on templates, got {r['error_type']}: {r['message']}")
