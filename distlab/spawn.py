@@ -28,7 +28,9 @@ one launcher every test and demo uses, and it keeps the promises a course needs:
 Inside a test, a learner's ``dist.all_reduce`` runs wrapped: the hang doctor records each op
 (``distlab.doctor``), a ``CommLedger`` counts its bytes where the test opens one
 (``distlab.comm``), and a send or receive also goes through the strict point-to-point checker
-(``distlab.p2p``). The wrappers call torch's function unchanged; they only watch.
+(``distlab.p2p``). The wrappers call torch's function unchanged; they only watch. In a grading run
+each rank's result carries the checks it recorded (``distlab.testing``), for the grader's process to
+compare (``distlab.verdict``); an "ok" without them did not come from here and is refused.
 
 Workers never read the environment; ``distlab.launch.init_from_env`` is the torchrun-side twin.
 """
