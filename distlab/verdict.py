@@ -104,10 +104,13 @@ def reference_checks(item) -> list[dict]:
         raise RuntimeError(f"{item.nodeid}: the same test on the reference did not pass, so the graded run's checks "
                            f"cannot be verified (a bench problem, not the submission's): {outcome[1:4]}")
     path = _cache_path(item)
-    path.parent.mkdir(parents=True, exist_ok=True)
     scratch = path.with_name(f".{path.name}.{os.getpid()}")
-    scratch.write_bytes(_dumps(outcome[1]))
-    os.replace(scratch, path)  # whole or absent: grading runs side by side share the cache
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch.write_bytes(_dumps(outcome[1]))
+        os.replace(scratch, path)  # whole or absent: grading runs side by side share the cache
+    except OSError:
+        pass  # a read-only checkout: the next grading run runs the reference again
     return outcome[1]
 
 
@@ -135,11 +138,12 @@ def _cache_path(item) -> Path:
 
 
 def _cached(item) -> list[dict] | None:
+    """The reference's recorded checks for ``item``, or None: none kept, or a file that does not read
+    (a disk that filled up, another torch): the reference then runs again and the file is rewritten."""
     try:
-        payload = _cache_path(item).read_bytes()
-    except OSError:
+        return _loads(_cache_path(item).read_bytes())
+    except Exception:
         return None
-    return _loads(payload)  # written whole by reference_checks: a file that does not read is an error
 
 
 def _snapshot(folder) -> str | None:

@@ -324,6 +324,7 @@ def test_a_locked_down_bundle_grades_honest_work_and_refuses_a_cheat(tmp_path):
     source = tmp_path / "source"
     subprocess.run(["bash", str(source / "grading/gradescope/lockdown.sh"), str(source), "nobody"], check=True)
     assert (source / "solutions").stat().st_mode & 0o077 == 0
+    assert (source / ".distlab").stat().st_mode & 0o077 == 0, "the reference run's recorded checks must be root's only"
     files = {"template_collectives.py": finished("phase1_data_parallel", "collectives", tmp_path),
              "template_data_loader.py": cheat_file("read_test_file"),
              "template_checkpoint.py": finished("phase4_production", "checkpoint", tmp_path)}
@@ -494,6 +495,23 @@ def test_the_parent_reads_a_childs_outcome_as_values_and_tensors_only():
     assert verdict._loads(verdict._dumps(("passed", [_check("t.py:1", [1.0], [1.0])])))[1][0]["site"] == "t.py:1"
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         verdict._loads(verdict._dumps(("passed", [_RunsCodeWhenUnpickled()])))
+
+
+def test_a_cache_entry_that_does_not_read_is_run_again_not_an_error(tmp_path, monkeypatch):
+    import types
+
+    from distlab import verdict
+
+    monkeypatch.setenv(verdict.CACHE_ENV, str(tmp_path / "cache"))
+    test_file = tmp_path / "test_x.py"
+    test_file.write_text("def test_x(): pass\n")
+    item = types.SimpleNamespace(nodeid="test_x.py::test_x", path=test_file)
+    path = verdict._cache_path(item)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(verdict._dumps([_check("t.py:1", [1.0], [1.0])])[:40])  # cut short
+    assert verdict._cached(item) is None
+    path.write_bytes(verdict._dumps([_check("t.py:1", [1.0], [1.0])]))
+    assert verdict._cached(item)[0]["site"] == "t.py:1"
 
 
 def _worker_forges_its_result(rank, world_size):
