@@ -57,6 +57,12 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     inipath = Path(config.inipath).resolve() if config.inipath else None
     if inipath != REPO / "pyproject.toml":
+        if inipath is not None and (inipath.parent / "distlab").is_dir() \
+                and "--student-dir" not in config.invocation_params.args:
+            # Another clone's `pip install -r requirements.txt` (its `-e .`) points the installed distlab there.
+            raise pytest.UsageError(f"the installed distlab is {REPO}'s, not this checkout's ({inipath.parent}): "
+                                    f"a `pip install -r requirements.txt` there re-pointed it. Run `pip install -e .` "
+                                    f"here, or run pytest from {REPO}")
         # "--student-dir /copy" (space) makes pytest take /copy for a test path and read the
         # copy's pyproject.toml: the student's configuration would then drive the grading.
         raise pytest.UsageError(f"these tests run with {REPO / 'pyproject.toml'}, not {inipath}: write "

@@ -24,6 +24,7 @@ import json
 import os
 import pickle
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from python_env import interpreter_dirs
 
 REPO = Path(__file__).resolve().parent.parent
 CHEATS = REPO / "tests" / "cheats"
@@ -152,30 +155,35 @@ def run_autograder(source: Path, root: Path, files: dict[str, Path], exercises: 
     return finish_autograder(start_autograder(source, root, files, exercises, k, prefix), root)
 
 
-# Gradescope's venv is /autograder/venv, which the rank user can read; here Python lives under /root (0700).
-# In a mount namespace of its own, the grading run sees a /root that holds only that Python tree, readable
-# by all, as /autograder/venv is (the host's /root is unchanged).
-AS_ON_GRADESCOPE = '''set -e
-tree=$1 spare=$2
-shift 2
-mount --bind "$tree" "$spare"
-mount -t tmpfs -o mode=0755 tmpfs /root
-mkdir -p "$tree"
-mount --bind "$spare" "$tree"
-exec "$@"
-'''
+# Gradescope's venv is /autograder/venv, which the rank user can read; here Python may live where others
+# cannot enter (pyenv under /root, 0700; a venv in a user's home, 0700; or a venv elsewhere whose base
+# interpreter is there). In a mount namespace of its own, the grading run sees each such directory as an
+# empty tmpfs, readable by all, holding only the interpreter's trees, as /autograder/venv is (the host's
+# directories are unchanged).
+def _closed_above(tree: Path) -> Path | None:
+    """The topmost directory above ``tree`` that others (the rank user) cannot enter, or None."""
+    return next((d for d in reversed(tree.parents) if not d.stat().st_mode & 0o001), None)
 
 
 def python_readable_by_all(spare: Path) -> tuple[str, ...]:
     """A command prefix under which ``nobody`` can run this interpreter, or () where it already can."""
     if nobody_runs_python():
         return ()
-    prefix = Path(sys.prefix).resolve()
-    assert prefix.parts[:2] == ("/", "root"), f"{prefix}: expected the interpreter under /root"
-    tree = Path(*prefix.parts[:3])  # /root/.pyenv
-    spare.mkdir(parents=True, exist_ok=True)
-    return ("unshare", "--mount", "--propagation", "private", "bash", "-c", AS_ON_GRADESCOPE, "as-on-gradescope",
-            str(tree), str(spare))
+    trees = [Path(d) for d in interpreter_dirs()]
+    closed = {tree: _closed_above(tree) for tree in trees}
+    closed = {tree: above for tree, above in closed.items() if above is not None}
+    assert closed, f"nobody cannot run {sys.executable}, yet every directory above {trees} lets others in: " \
+                   "its own files are not readable by all (as /autograder/venv is)"
+    script = ["set -e"]
+    for i, tree in enumerate(closed):  # each tree kept aside, each closed directory emptied, each tree back
+        (spare / str(i)).mkdir(parents=True, exist_ok=True)
+        script.append(f"mount --bind {shlex.quote(str(tree))} {shlex.quote(str(spare / str(i)))}")
+    script += [f"mount -t tmpfs -o mode=0755 tmpfs {shlex.quote(str(d))}" for d in dict.fromkeys(closed.values())]
+    for i, tree in enumerate(closed):
+        script += [f"mkdir -p {shlex.quote(str(tree))}",
+                   f"mount --bind {shlex.quote(str(spare / str(i)))} {shlex.quote(str(tree))}"]
+    script.append('exec "$@"')
+    return ("unshare", "--mount", "--propagation", "private", "bash", "-c", "\n".join(script), "as-on-gradescope")
 
 
 AT_ONCE = 3  # grading runs side by side: each is mostly one busy core (imports, one small world)
@@ -313,6 +321,7 @@ def test_a_graded_rank_started_as_root_cannot_read_root_only_files(tmp_path, mon
 
 @catalogue
 @only_in_the_tier
+@pytest.mark.venv  # ranks as nobody run this interpreter, wherever it lives
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(os.geteuid() != 0, reason="the root path needs root, as Gradescope runs the grader")
 def test_a_locked_down_bundle_grades_honest_work_and_refuses_a_cheat(tmp_path):

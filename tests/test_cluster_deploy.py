@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -135,10 +136,11 @@ def _sbatch(tmp_path: Path, gpus_per_node: str, venv: bool = True) -> tuple[subp
         (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
     venv_dir = tmp_path / "venv"
-    if venv:  # the course's environment: a venv whose python is this one (torch installed)
+    if venv:  # the course's environment: a venv whose python runs this one (torch installed)
         (venv_dir / "bin").mkdir(parents=True, exist_ok=True)
-        if not (venv_dir / "bin" / "python").exists():
-            (venv_dir / "bin" / "python").symlink_to(sys.executable)
+        # A script, not a symlink: a link to a venv's python, away from its pyvenv.cfg, is the base interpreter.
+        (venv_dir / "bin" / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+        (venv_dir / "bin" / "python").chmod(0o755)
         (venv_dir / "bin" / "activate").write_text(f'export VIRTUAL_ENV="{venv_dir}" PATH="{venv_dir}/bin:$PATH"\n')
     log = tmp_path / "srun.log"
     log.unlink(missing_ok=True)
@@ -161,6 +163,7 @@ def _launch_flag(args: list[str], name: str) -> str:
     return next(a.split("=", 1)[1] for a in args if a.startswith(f"--{name}="))
 
 
+@pytest.mark.venv
 def test_slurm_head_address_is_not_loopback_where_hosts_maps_the_name_to_it(sbatch_8):
     out, args, tmp_path = sbatch_8
     assert out.returncode == 0, out.stderr
@@ -169,6 +172,7 @@ def test_slurm_head_address_is_not_loopback_where_hosts_maps_the_name_to_it(sbat
                                           "(hostname --ip-address prints 127.0.1.1 where /etc/hosts says so)"
 
 
+@pytest.mark.venv  # the job step's python: a venv's, made here
 def test_slurm_launcher_is_on_the_path_the_job_step_gets(sbatch_8):
     out, args, tmp_path = sbatch_8
     assert out.returncode == 0, out.stderr
@@ -182,6 +186,7 @@ def test_slurm_launcher_is_on_the_path_the_job_step_gets(sbatch_8):
                                                                           f"{check.stderr}"
 
 
+@pytest.mark.venv
 def test_slurm_runs_the_capstone_with_a_checkpoint_directory_per_job(sbatch_8):
     out, args, tmp_path = sbatch_8
     assert out.returncode == 0, out.stderr
@@ -191,6 +196,7 @@ def test_slurm_runs_the_capstone_with_a_checkpoint_directory_per_job(sbatch_8):
     assert _launch_flag(args, "nproc_per_node") == "8", f"--gpus-per-node=8: {args}"
 
 
+@pytest.mark.venv
 @pytest.mark.parametrize("gpus, nproc", [("a100:8", "8"), ("h100:4", "4")])  # "8": sbatch_8
 def test_slurm_starts_one_rank_per_gpu_of_a_typed_request(tmp_path, gpus, nproc):
     out, args = _sbatch(tmp_path, gpus)
@@ -198,6 +204,7 @@ def test_slurm_starts_one_rank_per_gpu_of_a_typed_request(tmp_path, gpus, nproc)
     assert _launch_flag(args, "nproc_per_node") == nproc, f"--gpus-per-node={gpus}: {args}"
 
 
+@pytest.mark.venv
 def test_slurm_refuses_what_it_cannot_run_in_one_line(tmp_path):
     out, _ = _sbatch(tmp_path, "a100")
     assert out.returncode == 2 and "cannot read a GPU count from --gpus-per-node=a100" in out.stderr, out.stderr
