@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import shutil
 import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,6 +49,8 @@ from distlab.lessons.sync import allreduce_gradients
 from distlab.todo import run_demo
 
 PHASE = "phase4_production"
+# The settings a checkpoint of this harness is written with: another model or optimizer cannot resume it.
+CHECKPOINT_CONFIG = {"model": "mlp 16-32-4 float64", "optimizer": "FlatShardedAdam"}
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class RunConfig:
     seed: int = 0
     heartbeat_timeout_s: float = 30.0
     out: str = ""          # rank 0 writes the final parameters here (torch.save) if set
+    fresh: bool = False    # attempt 0 deletes the course's checkpoints in ckpt_dir first (never anything else)
     device: str = "cpu"    # model, batches and checkpoints loaded onto it (init_from_env's env.device)
 
     def __post_init__(self) -> None:
@@ -149,7 +151,10 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> dict[str, torch.Tensor]
     worker: run it under torchrun (``main``) or ``run_distributed``.
 
     Raises:
-        ValueError: the checkpoint it would resume from is past ``cfg.steps`` (a stale resume).
+        ValueError: the checkpoint it would resume from is past ``cfg.steps`` (a stale resume);
+            ``ResumeRefused`` (a ValueError): the directory's checkpoints do not fit this run (nothing
+            is touched); ``ForeignEntriesError`` (a ValueError): ``cfg.fresh`` in a directory that
+            holds anything but the course's checkpoints (nothing is deleted).
     Collective: every rank must call it.
     """
     ckpt, elastic = load(PHASE, "checkpoint"), load(PHASE, "elastic")
@@ -157,7 +162,10 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> dict[str, torch.Tensor]
     inputs, labels = data.tensors[0].double().to(cfg.device), data.tensors[1].to(cfg.device)
     # Heartbeats need gloo (monitored_barrier); an NCCL job gets a gloo side group for them.
     hb_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    manager = ckpt.CheckpointManager(cfg.ckpt_dir, keep=cfg.keep)
+    # What a resume must match (world sizes may differ: the optimizer state is resharded).
+    manager = ckpt.CheckpointManager(cfg.ckpt_dir, keep=cfg.keep, config=CHECKPOINT_CONFIG)
+    if cfg.fresh and _attempt() == 0:  # a restarted attempt resumes what attempt 0 saved
+        manager.start_over()  # the directory's lock first; then only step_* entries go (ckpt_entries.py)
 
     # A checkpoint that does not load (refused content, another model's shapes, ...) is skipped
     # with a warning, and the next older one is tried: every rank agrees on the one taken.
@@ -173,7 +181,7 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> dict[str, torch.Tensor]
     if rank == 0:
         print(f"[attempt {_attempt()}] resumed from {found.path} (step {start}, saved by {found.world_size} "
               f"ranks, now {world_size})" if found is not None else
-              f"[attempt {_attempt()}] no loadable checkpoint in {cfg.ckpt_dir}: starting from step 0", flush=True)
+              f"[attempt {_attempt()}] no checkpoint in {cfg.ckpt_dir}: starting from step 0", flush=True)
 
     attempt = _attempt()
     crash_step = cfg.crash_at_steps[attempt] if attempt < len(cfg.crash_at_steps) else -1
@@ -243,7 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "ranks are SIGKILLed); with NNODES=MIN:MAX the others go on without it")
     parser.add_argument("--heartbeat-timeout", type=float, default=defaults.heartbeat_timeout_s)
     parser.add_argument("--out", default="", help="write the final parameters here (rank 0)")
-    parser.add_argument("--fresh", action="store_true", help="delete --ckpt-dir first (attempt 0 only)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start over: delete the checkpoints this course wrote in --ckpt-dir (attempt 0 only, "
+                             "after taking its lock); a directory that holds anything else is refused")
     return parser
 
 
@@ -266,11 +276,8 @@ def main(argv: list[str] | None = None) -> None:
                         ckpt_every=args.ckpt_every, keep=args.keep, crash_at_steps=tuple(args.crash_at_step),
                         crash_ranks=tuple(args.crash_rank), crash_kinds=tuple(args.crash_kind),
                         crash_node=args.crash_node,
-                        heartbeat_timeout_s=args.heartbeat_timeout, out=args.out, device=str(env.device))
-        if args.fresh and _attempt() == 0:
-            if env.rank == 0:
-                shutil.rmtree(cfg.ckpt_dir, ignore_errors=True)
-            dist.barrier()
+                        heartbeat_timeout_s=args.heartbeat_timeout, out=args.out, device=str(env.device),
+                        fresh=args.fresh)
         log0(f"[attempt {_attempt()}] {env.world_size} ranks, {cfg.steps} steps, checkpoint every "
              f"{cfg.ckpt_every} to {cfg.ckpt_dir}, crashes planned: {list(cfg.crash_at_steps) or 'none'}")
         final = train(env.rank, env.world_size, cfg)

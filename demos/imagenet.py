@@ -80,6 +80,7 @@ class Config:
     checkpoint_dir: str = ""
     checkpoint_every: int = 100
     stop_at_step: int = 0  # leave after this step's checkpoint, as a preempted job would (0: never)
+    fresh: bool = False  # start over: delete the course's checkpoints in checkpoint_dir (never anything else)
     keep: int = 3
     seed: int = 0
     log_every: int = 20
@@ -101,6 +102,8 @@ class Config:
                              f"--zero-stage 1 or 2, not {self.strategy} stage {self.zero_stage}")
         if self.checkpoint_dir and self.strategy == "fsdp":  # said before training, not at the first save
             raise ValueError(_FSDP2_CHECKPOINTS)
+        if self.fresh and not self.checkpoint_dir:
+            raise ValueError("--fresh deletes the checkpoints of --checkpoint-dir: give --checkpoint-dir too")
         if self.compression != "none" and self.strategy != "ddp":
             raise ValueError(f"--compression {self.compression} is a DDP communication hook: "
                              f"use it with --strategy ddp, not {self.strategy}")
@@ -124,6 +127,20 @@ def apply_deepspeed_config(cfg: Config, world_size: int):
     if ds.bucket_size_mb is not None:
         changes["bucket_mb"] = ds.bucket_size_mb
     return dataclasses.replace(cfg, **changes), ds
+
+
+def checkpoint_config(cfg: Config, world_size: int, ds=None) -> dict:
+    """What a checkpoint of this run must match to be resumed: the model and its input, the state's layout
+    (ddp and ours both keep the whole model and torch's optimizer state), the optimizer, and for ZeRO,
+    whose shards are per rank, the world size that wrote them. Kept in meta.pt; a resume that does not
+    fit is refused, naming what differs (distlab/lessons/ckpt_entries.py)."""
+    strategy = {"ddp": "ddp or ours", "ours": "ddp or ours", "zero": f"zero-{cfg.zero_stage}"}.get(cfg.strategy,
+                                                                                                 cfg.strategy)
+    config = {"model": cfg.model, "dataset": cfg.dataset, "image size": cfg.image_size, "strategy": strategy,
+              "optimizer": ds.optimizer_class.__name__ if ds is not None and ds.optimizer_class else "SGD"}
+    if cfg.strategy == "zero":
+        config["world size"] = world_size
+    return config
 
 
 def build_model(name: str, num_classes: int, image_size: int) -> nn.Module:
@@ -380,19 +397,22 @@ def train(cfg: Config) -> dict:
         sampler = GlobalBatchSampler(len(train_set), cfg.global_batch, env.rank, env.world_size, cfg.seed)
         total = cfg.max_steps or cfg.epochs * sampler.steps_per_epoch()
         scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lr_lambda(cfg, total))
-        manager = CheckpointManager(cfg.checkpoint_dir, cfg.keep) if cfg.checkpoint_dir else None
+        manager = (CheckpointManager(cfg.checkpoint_dir, cfg.keep, config=checkpoint_config(cfg, env.world_size, ds))
+                   if cfg.checkpoint_dir else None)
+        if manager and cfg.fresh:
+            manager.start_over()  # the directory's lock first; then only its step_* entries go
         step = 0
         amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
         scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16")
         if manager:
             ckpt = resume(manager, engine, scheduler, sampler, scaler, env, checkpoint)
             if ckpt is None:
-                log0(f"no loadable checkpoint in {manager.directory}: starting from step 0")
+                log0(f"no checkpoint in {manager.directory}: starting from step 0")
             elif ckpt.step > total:  # an error, not a silent return of the later model
                 given = f"--max-steps {cfg.max_steps}" if cfg.max_steps else f"--epochs {cfg.epochs}"
                 raise ValueError(f"{ckpt.path} is at step {ckpt.step}, past the {total} steps of this run ({given}): "
-                                 f"pass --max-steps {ckpt.step} or more to continue that run, or another "
-                                 "--checkpoint-dir to start over")
+                                 f"pass --max-steps {ckpt.step} or more to continue that run, or --fresh (or "
+                                 "another --checkpoint-dir) to start over")
             else:
                 step = ckpt.step
                 log0(f"resumed from {ckpt.path} (step {step}, written by {ckpt.world_size} ranks)")

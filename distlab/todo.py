@@ -37,6 +37,12 @@ HANG_EXIT_CODE = 75  # a rank the hang doctor's watchdog ended (EX_TEMPFAIL): th
 FAILED_ON = "failed on rank"  # summarize_failure's first line: "demos.pipeline failed on rank 1 (exit code 1): ..."
 
 
+# Errors whose message says what to change: one line, no traceback (a torchrun rank records only the
+# class name, so they are known by name). ValueError's subclasses among them: a resume that does not fit,
+# --fresh in a folder that is not the course's; and another run holding the checkpoint directory.
+ONE_LINE_ERRORS = ("ValueError", "LearnerTODO", "ResumeRefused", "ForeignEntriesError", "CheckpointDirectoryError")
+
+
 def run_demo(main: Callable[[], object]) -> None:
     """Run a demo's ``main()``: an unfinished TODO ends it with one line, any other error with one report.
 
@@ -50,7 +56,7 @@ def run_demo(main: Callable[[], object]) -> None:
     printing, so the launcher reports it once, with the failing rank, instead of every
     rank printing the same traceback (plain torchrun: its "Root Cause" block;
     ``python -m distlab.launch`` and ``entrypoint.sh``: ``summarize_failure``'s few lines).
-    Without torchrun a ValueError (the demos' message for a flag that cannot work) is
+    Without torchrun a ValueError (the demos' message for a flag that cannot work) or another of ``ONE_LINE_ERRORS`` is
     printed as one line with exit code 1, and anything else propagates with its traceback.
     """
     from torch.distributed.elastic.multiprocessing.errors import record
@@ -66,7 +72,7 @@ def run_demo(main: Callable[[], object]) -> None:
     except Exception as exc:
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
             sys.exit(1)  # recorded in the error file: torchrun's report carries it
-        if isinstance(exc, ValueError):
+        if isinstance(exc, ValueError) or type(exc).__name__ in ONE_LINE_ERRORS:
             print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             sys.exit(1)
         raise
@@ -75,7 +81,7 @@ def run_demo(main: Callable[[], object]) -> None:
 def summarize_failure(error) -> str:
     """torchrun's ChildFailedError in a few lines: the first failure's rank and error, once.
 
-    A ValueError or a LearnerTODO is one line (its message says what to change); another
+    One of ``ONE_LINE_ERRORS`` (a ValueError, a LearnerTODO, ...) is one line (its message says what to change); another
     exception comes with the traceback its rank recorded; a rank that recorded nothing (one
     killed by a signal, or ended by the hang doctor) with its exit code. The other failed
     ranks follow in one line, without their errors repeated.
@@ -100,7 +106,7 @@ def summarize_failure(error) -> str:
                 "the rank to blame")
     lines = [f"{error.name} {FAILED_ON} {root_rank} ({code(root)}): "
              + (text or "no error recorded: see the output above")]
-    if stack and not text.startswith(("ValueError:", "LearnerTODO:")):
+    if stack and not text.startswith(tuple(f"{name}:" for name in ONE_LINE_ERRORS)):
         lines += ["  " + row for row in stack.splitlines()]
     others = sorted(rank for rank in error.failures if rank != root_rank)
     same = [rank for rank in others if text and recorded(error.failures[rank])[0] == text]

@@ -27,6 +27,7 @@ import fcntl
 import functools
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -145,6 +146,19 @@ def finish_rank() -> Path | None:
         if run["merge"]:
             return merge(folder, world=run["world"])
     return path
+
+
+def clear_raw(folder: str | Path) -> int:
+    """Delete the ranks' raw files a trace wrote under ``folder`` (``raw/<world>.rank<r>.json``) and nothing
+    else: a user's own ``raw/`` folder keeps its other files, a symbolic link is never followed. Returns
+    how many went."""
+    raw, gone = Path(folder) / RAW, 0
+    if raw.is_dir() and not raw.is_symlink():
+        for path in raw.glob("*.rank*.json"):
+            if re.fullmatch(r"[\w.-]+\.rank[0-9]+\.json", path.name) and path.is_file() and not path.is_symlink():
+                path.unlink()
+                gone += 1
+    return gone
 
 
 # --- raw files -> one trace -----------------------------------------------------------------------

@@ -185,15 +185,18 @@ class CheckpointManager(resume.RunDirectory):
         directory: where the ``step_XXXXXXXX/`` directories live (shared by all ranks).
         keep: how many of this run's complete checkpoints to keep (its older ones are deleted after a save).
         group: the ranks that save together (None = WORLD).
+        config: plain values that a resume must match (model, strategy, optimizer, ...): kept in every
+            ``meta.pt``; ``restore`` refuses a newest checkpoint written with other values, naming them.
 
     The run holds the directory from its ``restore`` or first ``save`` until ``close()`` (or its exit);
     ``with CheckpointManager(...) as manager:`` closes it too (see ``distlab.lessons.resume.RunDirectory``).
     """
 
-    def __init__(self, directory: str | Path, keep: int = 3, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, directory: str | Path, keep: int = 3, group: dist.ProcessGroup | None = None,
+                 config: dict | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}: the newest checkpoint is always kept")
-        super().__init__(directory, group)
+        super().__init__(directory, group, config)
         if self.directory.exists() and not self.directory.is_dir():
             raise CheckpointError(f"checkpoint directory {self.directory} is a file: name another directory")
         self.keep = keep
@@ -248,6 +251,7 @@ class CheckpointManager(resume.RunDirectory):
 
     def restore(self, apply: Callable[[Checkpoint], Any], group: dist.ProcessGroup | None = None) -> Checkpoint | None:
         """Resume from the newest good checkpoint that ``apply`` loads (else the one before, with a warning),
-        None: start fresh; carries on its lineage. Collective: every rank of ``group`` (``distlab.lessons.resume``)."""
+        None: the directory holds none; carries on its lineage. ``resume.ResumeRefused`` when the newest was
+        written with another ``config`` or none loads. Collective: every rank of ``group`` (``distlab.lessons.resume``)."""
         self._hold()
         return self._adopt(resume.restore(self, apply, group))

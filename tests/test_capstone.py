@@ -88,15 +88,31 @@ def _main_said(args: list[str], directory: Path) -> tuple[str, list[str]]:
 
 
 def _worker_capstone_fallbacks(rank, world_size, fallback, nothing):
-    """Three runs in one rank process (torchvision is imported once): resume past a damaged step 4,
-    a stale resume, and a fresh start when no checkpoint loads."""
+    """Four runs in one rank process (torchvision is imported once): resume past a damaged step 4,
+    a stale resume, a refusal when no checkpoint loads, then --fresh there."""
+    from distlab.lessons import resume
+
     fallback, nothing = Path(fallback), Path(nothing)
     said = {"fallback": _main_said([], fallback)}
     # The newest loadable checkpoint is now the resumed run's step 6, past --max-steps 5.
     with pytest.raises(ValueError, match=r"step_00000006 is at step 6, past the 5 steps of this run "
                                          r"\(--max-steps 5\): pass --max-steps 6 or more"):
         _main_said(["--max-steps", "5"], fallback)
-    said["nothing"] = _main_said([], nothing)
+    before = {p: p.read_bytes() for p in sorted(nothing.rglob("*")) if p.is_file()}
+    from demos import imagenet
+
+    with warnings.catch_warnings(record=True) as caught, \
+            pytest.raises(resume.ResumeRefused, match=r"none of the 2 checkpoint\(s\) .* loads into this run"):
+        warnings.simplefilter("always")
+        imagenet.main(TINY + ["--checkpoint-dir", str(nothing)])
+    refused = [str(w.message) for w in caught if str(nothing) in str(w.message)]
+    torch.distributed.barrier()  # both ranks refused before either compares
+    after = {p: p.read_bytes() for p in sorted(nothing.rglob("*")) if p.is_file()}
+    assert after == before, f"rank {rank}: a refused resume changed {sorted(set(after) ^ set(before))}"
+    torch.distributed.barrier()  # both compared before --fresh deletes them
+    printed, fresh_said = _main_said(["--fresh"], nothing)
+    assert fresh_said == [], f"rank {rank}: --fresh over them warned {fresh_said}"
+    said["nothing"] = (printed, refused)
     return said
 
 
@@ -105,9 +121,10 @@ def test_capstone_resumes_from_the_previous_checkpoint_when_the_newest_does_not_
 
     ``fallback``: step 4's rank-0 file holds another model's shapes: every rank resumes from step 2
     and ends bitwise on the uninterrupted run. ``nothing``: step 2's rank-1 file also comes from
-    another run (its sampler's seed): a fresh start, said, bitwise the uninterrupted run; rank 0
-    fully loaded step 2 and rank 1 most of step 4 before the other rank refused them, so it also
-    checks that a refused checkpoint leaves nothing behind. A checkpoint past --max-steps is an error.
+    another run (its sampler's seed): the resume is refused, every file as it was; then ``--fresh``
+    starts over, bitwise the uninterrupted run (rank 0 fully loaded step 2 and rank 1 most of step 4
+    before the other rank refused them, so it also checks that a refused checkpoint leaves nothing
+    behind). A checkpoint past --max-steps is an error.
     """
     ckpt = load("phase4_production", "checkpoint")
     fallback, nothing = tmp_path / "fallback", tmp_path / "nothing"
@@ -129,9 +146,9 @@ def test_capstone_resumes_from_the_previous_checkpoint_when_the_newest_does_not_
     for case, directory in (("fallback", fallback), ("nothing", nothing)):
         step4, step2 = f"{directory / 'step_00000004'}: ", f"{directory / 'step_00000002'}: "
         expected = [[[step4 + "RuntimeError", mismatch]], [[step4 + "rank(s) 0 could not load it"]]]  # per rank
-        if case == "nothing":
-            expected[0] += [[step2 + "rank(s) 1 could not load it"], ["starting fresh from step 0"]]
-            expected[1] += [[step2 + "ValueError", seed], ["starting fresh from step 0"]]
+        if case == "nothing":  # what the refused resume warned; --fresh then warned nothing
+            expected[0] += [[step2 + "rank(s) 1 could not load it"]]
+            expected[1] += [[step2 + "ValueError", seed]]
         for rank, want in enumerate(expected):
             warned = said[rank][case][1]
             assert len(warned) == len(want) and all(all(w in m for w in ws) for m, ws in zip(warned, want)), \
@@ -141,7 +158,7 @@ def test_capstone_resumes_from_the_previous_checkpoint_when_the_newest_does_not_
             assert torch.equal(a, b[name]), f"{case}: parameter {name} differs from the uninterrupted run"
     printed = {case: said[0][case][0] for case in said[0]}
     assert f"resumed from {fallback / 'step_00000002'} (step 2," in printed["fallback"], printed["fallback"]
-    assert f"no loadable checkpoint in {nothing}: starting from step 0" in printed["nothing"], printed["nothing"]
+    assert f"no checkpoint in {nothing}: starting from step 0" in printed["nothing"], printed["nothing"]
 
 
 def _worker_capstone_fp16_resume(rank, world_size, straight, resumed):
@@ -167,35 +184,42 @@ def test_capstone_fp16_resume_keeps_the_loss_scaler(tmp_path):
         assert torch.equal(p, b["engine"]["model"][name]), f"parameter {name} differs after an fp16 resume"
 
 
-def _worker_capstone_and_restart(rank, world_size, args):
-    """A capstone run, then its restart in the same rank process (torchvision is imported once);
-    returns what the restart printed."""
+def _worker_capstone_and_restart(rank, world_size, args, other: str):
+    """A capstone run to step 4; another experiment's checkpoints (steps 10, 12, 14 of ``other``) copied
+    into its directory; its restart to step 8 in the same rank process (torchvision is imported once).
+    Returns what the restart printed."""
     from demos import imagenet
 
+    imagenet.main(TINY + args + ["--max-steps", "4"])
+    if rank == 0:
+        for step in Path(other).iterdir():
+            shutil.copytree(step, Path(args[1]) / step.name)
+    torch.distributed.barrier()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "cannot resume" per skipped step: test_capstone_resumes_from_the_previous...
-        imagenet.main(TINY + args)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            imagenet.main(TINY + args)
+            imagenet.main(TINY + args + ["--max-steps", "8"])
     return out.getvalue()
 
 
 def test_capstone_keep_never_counts_nor_deletes_another_experiments_newer_checkpoints(tmp_path):
-    """Another experiment left steps 8, 10 and 12 in --checkpoint-dir: they verify but do not load (another
-    model). The capstone saves steps 2, 4, 6 with --keep 3 and keeps all three, leaves the other's files
-    byte for byte, and its restart resumes from step 6. (Counting the other's, pruning deleted every
-    checkpoint of the run, and the restart began at step 0.)"""
-    with load("phase4_production", "checkpoint").CheckpointManager(tmp_path) as other:  # closed: free for the run
-        for step in (8, 10, 12):
-            other.save(step, {"engine": {"model": {"weight": torch.zeros(7)}}})
-    foreign = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*.pt")}
-    printed = run_distributed(_worker_capstone_and_restart, 2, ["--checkpoint-dir", str(tmp_path), "--checkpoint-every",
-                                                               "2", "--keep", "3"], timeout_s=120)[0]
-    names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == [f"step_{s:08d}" for s in (2, 4, 6, 8, 10, 12)], f"expected the run's 2, 4, 6 and the other's: {names}"
-    assert {path: (tmp_path / path).read_bytes() for path in foreign} == foreign, "the other experiment's files changed"
-    assert f"resumed from {tmp_path / 'step_00000006'} (step 6," in printed, f"the restart did not resume: {printed}"
+    """Another experiment's steps 10, 12 and 14 land in --checkpoint-dir after the capstone saved 2 and 4:
+    they verify but do not load (another model). The restart skips them, resumes from step 4, saves 6 and 8
+    with --keep 3: it keeps its own 4, 6, 8 and leaves the other's files byte for byte. (Counting the
+    other's, pruning deleted every checkpoint of the run.)"""
+    other = tmp_path / "other"
+    with load("phase4_production", "checkpoint").CheckpointManager(other) as manager:  # closed: free for the run
+        for step in (10, 12, 14):
+            manager.save(step, {"engine": {"model": {"weight": torch.zeros(7)}}})
+    foreign = {p.relative_to(other): p.read_bytes() for p in other.rglob("*.pt")}
+    run = tmp_path / "run"
+    printed = run_distributed(_worker_capstone_and_restart, 2, ["--checkpoint-dir", str(run), "--checkpoint-every",
+                                                               "2", "--keep", "3"], str(other), timeout_s=120)[0]
+    names = sorted(p.name for p in run.iterdir())
+    assert names == [f"step_{s:08d}" for s in (4, 6, 8, 10, 12, 14)], f"expected the run's 4, 6, 8 and the other's: {names}"
+    assert {path: (run / path).read_bytes() for path in foreign} == foreign, "the other experiment's files changed"
+    assert f"resumed from {run / 'step_00000004'} (step 4," in printed, f"the restart did not resume: {printed}"
 
 
 def _worker_eval_and_units(rank, world_size):

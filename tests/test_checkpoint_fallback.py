@@ -8,9 +8,10 @@ case saves a few checkpoints, damages the newest the way it happens in practice,
   ``weights_only``, never run, and the previous checkpoint taken;
 * another model's checkpoint (shape mismatch), a checkpoint of another world size that the
   loader cannot reshard: the previous checkpoint taken;
-* nothing loadable: a fresh start, said once (its saves move the old steps aside, never delete
-  them: they are not its run's; tests/test_checkpoint_runs.py); a stale resume (``--steps`` below the checkpoint):
-  an error that says what to change; a checkpoint "directory" that is a file: an error naming it.
+* nothing loadable: refused on every rank (``ResumeRefused``), every file left as it was, never a silent
+  start from step 0 over them; ``--fresh`` starts over (tests/test_checkpoint_fresh.py); a stale resume
+  (``--steps`` below the checkpoint): an error that says what to change; a checkpoint "directory" that is
+  a file: an error naming it.
 
 The baseline is an uninterrupted run of the same harness in the same world: a resume from the
 previous checkpoint must reproduce it bitwise (same world size, kernels and order of sums), and
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from distlab import load
+from distlab.lessons import resume
 from distlab.spawn import run_distributed
 
 PHASE = "phase4_production"
@@ -116,21 +118,26 @@ def _worker_harness_fallbacks(rank, world_size, root):
         f"rank {rank}: expected one warning naming step_00000006 and the size mismatch, got {said}"
     _assert_bitwise(final, expected, f"rank {rank}, another model's checkpoint at step 6, resumed from step 4")
 
-    # Nothing loadable (refused at 6, another model at 4, corrupted at 2): a fresh start, said once.
-    final, said = _train(ft, replace(cfg, ckpt_dir=str(cases["nothing loadable"])))
-    # The fresh run saves steps 2, 4 and 6 again: rank 0 moves the old ones aside (not this run's: never
-    # deleted), one warning each.
-    moved = [s for s in said if "moved to" in s]
-    said = [s for s in said if "moved to" not in s]
-    kept = sorted(p.name.split(".")[0] for p in cases["nothing loadable"].glob("step_*.other-run-*"))
-    assert len(moved) == (3 if rank == 0 else 0) and kept == ["step_00000002", "step_00000004", "step_00000006"], \
-        f"rank {rank}: expected rank 0 to move steps 2, 4 and 6 aside, one warning each; got {moved}, {kept}"
-    assert len(said) == 4 and [s for s in said if "step_00000006" in s and "Unsupported global" in s] \
+    # Nothing loadable (refused at 6, another model at 4, corrupted at 2): refused, every file as it was.
+    bad = cases["nothing loadable"]
+    before = {str(p.relative_to(bad)): p.read_bytes() for p in sorted(bad.rglob("*")) if p.is_file()}
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(resume.ResumeRefused) as refused:
+        warnings.simplefilter("always")
+        ft.train(rank, world_size, replace(cfg, ckpt_dir=str(bad)))
+    said = [str(w.message) for w in caught if "checkpoint" in str(w.message)]
+    assert len(said) == 3 and [s for s in said if "step_00000006" in s and "Unsupported global" in s] \
         and [s for s in said if "step_00000004" in s and "size mismatch" in s] \
-        and [s for s in said if "step_00000002" in s and "checksum" in s] and "starting fresh" in said[-1], \
-        f"rank {rank}: expected one warning per bad checkpoint (6, 4, 2), then 'starting fresh'; got {said}"
-    _assert_bitwise(final, expected, f"rank {rank}, no loadable checkpoint, started fresh")
+        and [s for s in said if "step_00000002" in s and "checksum" in s], \
+        f"rank {rank}: expected one warning per bad checkpoint (6, 4, 2); got {said}"
+    assert "none of the 3 checkpoint(s)" in str(refused.value) and "--fresh" in str(refused.value), refused.value
+    dist.barrier()  # every rank has read the directory
+    after = {str(p.relative_to(bad)): p.read_bytes() for p in sorted(bad.rglob("*")) if p.is_file()}
+    assert after == before, f"rank {rank}: a refused resume changed {sorted(set(after) ^ set(before))}"
+    dist.barrier()  # every rank has compared before the next run starts over
     assert not marker.exists(), f"rank {rank}: the forged pickle ran"
+    # Starting over explicitly: the course's entries go, and the run is bitwise the uninterrupted one.
+    final, _ = _train(ft, replace(cfg, ckpt_dir=str(bad), fresh=True))
+    _assert_bitwise(final, expected, f"rank {rank}, --fresh over checkpoints that do not load")
 
     # A stale resume: --steps 4 below the checkpoint's step 6 is an error saying what to change.
     with pytest.raises(ValueError, match=r"step_00000006 is at step 6, past --steps 4: pass --steps 6 or more"):

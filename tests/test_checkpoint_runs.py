@@ -48,36 +48,41 @@ def _messages(caught) -> list[str]:
 
 
 # --------------------------------------------------------------------------- pruning
-def _worker_foreign_newer(rank, world_size, directory):
+def _worker_foreign_newer(rank, world_size, directory, other):
     torch.set_num_threads(1)
     import demos.fault_tolerance as ft
 
-    cfg = ft.RunConfig(steps=12, ckpt_every=2, keep=3, ckpt_dir=directory)
+    cfg = ft.RunConfig(steps=8, ckpt_every=2, keep=3, ckpt_dir=directory)
+    ft.train(rank, world_size, cfg)  # from step 0: saves steps 2, 4, 6, 8
+    if rank == 0:  # then another experiment's newer steps land in the directory
+        for step in Path(other).iterdir():
+            shutil.copytree(step, Path(directory) / step.name)
+    dist.barrier()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # one "cannot resume" per foreign step: tests/test_checkpoint_fallback.py
-        ft.train(rank, world_size, cfg)  # fresh: saves steps 2, 4, ..., 12
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            ft.train(rank, world_size, cfg)  # the next restart
+            ft.train(rank, world_size, replace(cfg, steps=12))  # the restart: from step 8, saves 10 and 12
     return out.getvalue()
 
 
 def test_pruning_never_counts_nor_deletes_another_experiments_newer_checkpoints(tmp_path):
-    """Another experiment (another model) left steps 14, 16, 18 in the directory. The harness run
-    saves steps 2-12 with keep=3: it keeps its own 8, 10, 12 and leaves the others byte for byte;
-    counting them kept 0 of its own, and its restart began at step 0."""
+    """Another experiment (another model) left steps 14, 16, 18 in the directory after the harness run
+    saved 2-8. Its restart skips them (they verify, but do not load), resumes from 8 and saves 10 and 12
+    with keep=3: it keeps its own 8, 10, 12 and leaves the others byte for byte; counting them kept 0
+    of its own."""
     ckpt = load(PHASE, "checkpoint")
-    directory = tmp_path / "ckpt"
-    with ckpt.CheckpointManager(directory) as other:  # closed: the lock is free for the run
+    directory, other = tmp_path / "ckpt", tmp_path / "other"
+    with ckpt.CheckpointManager(other) as manager:  # closed: the lock is free for the run
         for step in (14, 16, 18):
-            other.save(step, {"model": {"weight": torch.zeros(7)}})
-    foreign = {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*.pt")}
-    printed = run_distributed(_worker_foreign_newer, 2, str(directory), timeout_s=120)[0]
+            manager.save(step, {"model": {"weight": torch.zeros(7)}})
+    foreign = {p.relative_to(other): p.read_bytes() for p in other.rglob("*.pt")}
+    printed = run_distributed(_worker_foreign_newer, 2, str(directory), str(other), timeout_s=120)[0]
     names = sorted(p.name for p in directory.iterdir())
     assert names == ["step_00000008", "step_00000010", "step_00000012", "step_00000014", "step_00000016",
                      "step_00000018"], f"expected this run's 8, 10, 12 and the other run's 14, 16, 18: {names}"
     assert {path: (directory / path).read_bytes() for path in foreign} == foreign, "the other experiment's files changed"
-    assert f"resumed from {directory / 'step_00000012'} (step 12" in printed, f"the restart did not resume: {printed}"
+    assert f"resumed from {directory / 'step_00000008'} (step 8" in printed, f"the restart did not resume: {printed}"
 
 
 def test_pruning_keeps_the_step_it_saved_when_a_newer_one_of_its_lineage_does_not_load(tmp_path):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,9 +59,9 @@ def run_check(ex: Exercise, root: Path, trace_dir: Path | None = None, repo: Pat
         env = dict(os.environ, **{EXERCISES_ENV: json.dumps([ex.name]), TIE_ENV: str(os.getpid())})
         env.pop("PYTEST_ADDOPTS", None)
         if trace_dir is not None:
-            from distlab.trace import RAW, TRACE_ENV
+            from distlab.trace import TRACE_ENV, clear_raw
 
-            shutil.rmtree(Path(trace_dir) / RAW, ignore_errors=True)  # this check's worlds only
+            clear_raw(trace_dir)  # this check's worlds only; the trace's own files, nothing else of the folder
             env[TRACE_ENV] = str(Path(trace_dir).resolve())
         cmd = pytest_command(ex, root, results, repo)
         if warm and root.resolve() == repo.resolve():

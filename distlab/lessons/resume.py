@@ -1,12 +1,8 @@
 """The bench around ``CheckpointManager``: one run per directory, rank files of one run, resume from one that *loads*.
 
-**One writer per directory.** A run takes its checkpoint directory before it restores or saves
-(``take_directory``): rank 0 of the manager's group holds an exclusive ``flock`` on a lock file
-beside the directory (``<dir>.lock``; beside, so the directory holds nothing but checkpoints) with
-its pid, host and run id written in it, and tells every rank. A second run is refused on every rank
-with an error naming the holder. The kernel releases a ``flock`` when its holder dies, however it
-dies, so a killed run never blocks its restart (on NFS: when the server sees the client is gone).
-The managers of one process share its one lock (a test, or a restart in the same process).
+**One writer per directory.** A run takes its checkpoint directory before it restores, saves or starts
+over: a ``flock`` beside the directory, named in the refusal of a second run (``distlab/lessons/dir_lock.py``,
+whose names this module re-exports).
 
 **Rank files of one run and one step.** Every rank file carries ``WRITTEN_BY``: the run's id, the
 step and the rank. ``torn`` compares it with ``meta.pt``; reading it (``written_by``) costs the
@@ -16,8 +12,16 @@ pickle only, not the tensors' bytes.
 verify (its checksum matches) and still be unusable: a forged file that ``torch.load(weights_only=True)``
 refuses, another model's checkpoint (a size mismatch in ``load_state_dict``), one written by a world
 size the loader cannot reshard. ``restore`` tries the checkpoints a manager yields, newest first, and
-moves on after a failure with one warning; only a run with nothing loadable starts fresh, and says so.
-The ranks agree on every try, so a failure on one rank (its own file refused) moves all of them.
+moves on after a failure with one warning. The ranks agree on every try, so a failure on one rank (its
+own file refused) moves all of them.
+
+**A resume that does not fit is refused, never silently restarted.** A run that describes itself
+(``config``: model, strategy, optimizer, ...) keeps that in every ``meta.pt``; a newest checkpoint written
+by other settings is refused with one line naming what differs (``ResumeRefused``), and so is a
+directory whose checkpoints all fail to load: nothing in the directory is touched, and the run does not
+start from step 0 over them. Starting over is explicit: ``start_over`` (the demos' ``--fresh``) takes
+the directory's lock first, then deletes the course's own entries only (``distlab/lessons/ckpt_entries.py``).
+A directory deleted while the run uses it is reported at the next save, not recreated.
 
 Used by ``CheckpointManager`` (phase4_production/checkpoint.py); see
 phase4_production/guidelines.md#crash-safe-checkpoints. Tests: tests/test_checkpoint_fallback.py,
@@ -26,12 +30,9 @@ tests/test_checkpoint_runs.py.
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 import shutil
-import socket
-import time
 import uuid
 import warnings
 import weakref
@@ -41,6 +42,9 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from distlab.lessons import ckpt_entries
+from distlab.lessons.dir_lock import CheckpointDirectoryError, hold, lock_path, release, take_directory  # noqa: F401
+
 # What loading a checkpoint that does not fit raises: CheckpointError (a ValueError), a missing
 # key, a ValueError of a loader, load_state_dict's RuntimeError. Anything else is a bug: it propagates.
 LOAD_ERRORS = (KeyError, ValueError, RuntimeError)
@@ -48,94 +52,8 @@ LOAD_ERRORS = (KeyError, ValueError, RuntimeError)
 WRITTEN_BY = "_written_by"  # the key of every rank file's {"run", "step", "rank"}
 
 
-class CheckpointDirectoryError(RuntimeError):
-    """This run cannot take its checkpoint directory: another run holds it, or its lock file cannot be made."""
-
-
-# --------------------------------------------------------------------------- one writer per directory
-_HELD: dict[str, list[int]] = {}  # lock file -> [its fd, how many managers of this process hold it]
-
-
-def lock_path(directory: str | Path) -> Path:
-    """``<dir>.lock`` beside the directory (symbolic links resolved: two names of one directory share it)."""
-    directory = Path(directory).resolve()
-    return directory.with_name(directory.name + ".lock")
-
-
-def _holder(path: Path) -> str:
-    try:
-        who = json.loads(path.read_text())
-        return f"pid {who['pid']} on host {who['host']} (run {who['run'][:8]}, since {who['since']})"
-    except (OSError, ValueError, KeyError, TypeError):  # written a moment after it was locked
-        return "a process that has not yet written its pid"
-
-
-def hold(directory: str | Path, run: str) -> str:
-    """Lock ``directory`` for this process; return the key to ``release`` it with.
-
-    Raises:
-        CheckpointDirectoryError: another process holds it (naming its pid and host), or the lock
-            file cannot be created.
-    """
-    import fcntl  # POSIX: flock is released by the kernel when its holder dies
-
-    path = lock_path(directory)
-    key = str(path)
-    if key in _HELD:
-        _HELD[key][1] += 1
-        return key
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise CheckpointDirectoryError(
-            f"cannot lock checkpoint directory {directory}: cannot create {path}: {exc.strerror or exc}; the "
-            "lock lives beside the directory: choose a checkpoint directory inside a folder this run can "
-            "write") from exc
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise CheckpointDirectoryError(
-            f"checkpoint directory {directory} is in use by another run: {_holder(path)} holds {path}. Two runs "
-            "writing one directory overwrite and tear each other's checkpoints: give this run another checkpoint "
-            "directory, or stop the other run first (the lock is released when its holder exits or dies)") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "run": run,
-                             "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
-    _HELD[key] = [fd, 1]
-    return key
-
-
-def release(key: str) -> None:
-    """Undo one ``hold``; the last one closes the file, which releases the lock."""
-    held = _HELD.get(key)
-    if held is not None:
-        held[1] -= 1
-        if held[1] == 0:
-            os.close(_HELD.pop(key)[0])
-
-
-def take_directory(directory: str | Path, group: dist.ProcessGroup | None = None) -> tuple[str | None, str]:
-    """Rank 0 of ``group`` locks ``directory`` for a new run; every rank gets the run's id, or the same error.
-
-    Returns ``(key, run)``: the key to ``release`` on rank 0 (None elsewhere) and the run's id.
-    Collective: every rank of ``group``; one broadcast of a short string.
-    """
-    rank = dist.get_rank(group) if dist.is_initialized() else 0
-    key, refused, run = None, "", uuid.uuid4().hex
-    if rank == 0:
-        try:
-            key = hold(directory, run)
-        except CheckpointDirectoryError as exc:
-            refused = str(exc)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:  # the other ranks never write before rank 0 holds it
-        box = [(refused, run)]
-        dist.broadcast_object_list(box, group_src=0, group=group)
-        refused, run = box[0]
-    if refused:
-        raise CheckpointDirectoryError(refused)
-    return key, run
+class ResumeRefused(ValueError):
+    """The checkpoints of a directory do not fit this run: resume with their settings, or start over explicitly."""
 
 
 # --------------------------------------------------------------------------- rank files of one run and step
@@ -235,11 +153,14 @@ class RunDirectory:
       directory that is not this lineage's is moved aside, never deleted (``_publish``).
     """
 
-    def __init__(self, directory: str | Path, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, directory: str | Path, group: dist.ProcessGroup | None = None,
+                 config: dict | None = None) -> None:
         self.directory, self.group = Path(directory), group
+        self.config = dict(config) if config else None  # plain values a resume must match (meta.pt keeps them)
         self._run: str | None = None  # this run's id, once it holds the directory
         self._lineage: str | None = None
         self._last_step = -1
+        self._saved = -1  # the last step published (for the message of a directory deleted mid-run)
         self._release: Callable[[], Any] = lambda: None
 
     def close(self) -> None:
@@ -259,6 +180,28 @@ class RunDirectory:
             self._lineage = self._run
             if key is not None:
                 self._release = weakref.finalize(self, release, key)
+            self.directory.mkdir(parents=True, exist_ok=True)  # from now on, its absence means it was deleted
+
+    def start_over(self) -> int:
+        """Delete the course's checkpoints in the directory (the demos' ``--fresh``); return how many entries went.
+
+        The directory is taken for this run first (another run holding it: ``CheckpointDirectoryError``
+        on every rank, before anything is deleted); then rank 0 deletes only what the course wrote
+        (``ckpt_entries.course_entries``). A directory that holds anything else is refused on every rank
+        (``ckpt_entries.ForeignEntriesError``, naming what is there) and nothing is deleted.
+        Collective: every rank of ``group``; one all-reduce of W + 2 integers.
+        """
+        self._hold()
+        removed, error = 0, None
+        if (dist.get_rank(self.group) if dist.is_initialized() else 0) == 0:
+            try:
+                removed = ckpt_entries.remove(ckpt_entries.course_entries(self.directory))
+            except (ckpt_entries.ForeignEntriesError, OSError) as exc:
+                error = exc
+        if agree(-1, error is not None, self.group)[0]:
+            raise error if error is not None else ckpt_entries.ForeignEntriesError(
+                f"rank 0 could not start over in {self.directory} (see its error): nothing else was deleted")
+        return removed
 
     def _adopt(self, found: Any) -> Any:
         """``found`` (the checkpoint resumed from, or None): this run carries on its lineage."""
@@ -289,21 +232,27 @@ class RunDirectory:
         staging = final.with_name(final.name + ".tmp")
         state, error = self._stamped(state, step, rank), None  # the run's id, the step and the rank added
         try:
-            staging.mkdir(parents=True, exist_ok=True)
+            if not self.directory.is_dir():  # _hold made it: gone means deleted under the run
+                raise CheckpointDirectoryError(
+                    f"checkpoint directory {self.directory} was deleted while this run used it (last saved: "
+                    f"{'step ' + str(self._saved) if self._saved >= 0 else 'nothing yet'}); it is not recreated: "
+                    "find out what deleted it, then resume from a copy, or start over explicitly")
+            staging.mkdir(exist_ok=True)
             write(state, staging / f"rank{rank}.pt")
         except Exception as exc:  # every rank hears of it, and raises: no hang
             error = exc
         self._together(step, error, staging, "write its file")  # every rank's file is in the staging directory
         if rank == 0:
             try:
-                write({"step": step, "world_size": world_size, "run": self._run, "lineage": self._lineage},
-                      staging / "meta.pt")
+                meta = {"step": step, "world_size": world_size, "run": self._run, "lineage": self._lineage}
+                write({**meta, "config": self.config} if self.config else meta, staging / "meta.pt")
                 self._publish(staging, final, meta_of)  # replaces only its own
                 fsync_dir(self.directory)
                 self._prune()
             except Exception as exc:
                 error = exc
         self._together(step, error, staging, "publish it")  # nobody touches the next step before this one is out
+        self._saved = step
         return final
 
     def _together(self, step: int, error: Exception | None, staging: Path, what: str) -> None:
@@ -352,16 +301,27 @@ def restore(manager: Any, apply: Callable[[Any], Any], group: dist.ProcessGroup 
             ``LOAD_ERRORS`` when it cannot (it must leave nothing half-loaded behind).
 
     A failed checkpoint costs one warning per rank naming the directory and the reason (a rank
-    that did not fail itself names the ranks that did). When none is left: one warning that
-    the run starts fresh, unless the directory held no checkpoint at all.
+    that did not fail itself names the ranks that did), and the one before is tried.
+
+    Raises:
+        ResumeRefused: on every rank, with nothing in the directory touched: the newest checkpoint was
+            written by other settings (``manager.config`` against its ``meta.pt``'s, named in one line),
+            or the directory holds checkpoints and none of them loads.
 
     Collective: every rank of ``group`` calls it; one all-reduce of W + 2 integers per checkpoint
-    tried. Ranks that see different checkpoints get a ``RuntimeError``, not a hang.
+    tried (two for the newest). Ranks that see different checkpoints get a ``RuntimeError``, not a hang.
     """
-    rank = dist.get_rank(group) if dist.is_initialized() else 0
-    candidates = iter(manager.checkpoints())
+    candidates, newest, reasons = iter(manager.checkpoints()), True, []
     while True:
         found, error = next(candidates, None), None
+        if found is not None and newest:  # the directory's run is its newest checkpoint's: its settings must fit
+            saved = (getattr(found, "meta", None) or {}).get("config")  # (a bare manager's checkpoints have none)
+            newest, differs = False, ckpt_entries.differences(saved, getattr(manager, "config", None))
+            if agree(found.step, bool(differs), group)[0]:
+                raise ResumeRefused(
+                    f"{found.path} was written by another run's settings ({differs or 'on another rank'}): it is "
+                    "left as it is; resume with that run's settings, or start over explicitly (--fresh) or in "
+                    "another checkpoint directory")
         if found is not None:
             try:
                 apply(found)
@@ -375,14 +335,19 @@ def restore(manager: Any, apply: Callable[[Any], Any], group: dist.ProcessGroup 
             raise RuntimeError(f"{manager.directory}: ranks would resume from different steps ({lo} to {hi}; -1 is "
                                "none): every rank must see the same checkpoint directory")
         if found is None:
-            if manager._published():
-                warnings.warn(f"no loadable checkpoint in {manager.directory} (every one was skipped): "
-                              "starting fresh from step 0", stacklevel=3)
+            if published := manager._published():
+                said = "; ".join(reasons) or "every one failed to verify, see the warnings above"
+                raise ResumeRefused(
+                    f"none of the {len(published)} checkpoint(s) in {manager.directory} loads into this run "
+                    f"({said}): they are left as they are and the run does not start from step 0 over them; "
+                    "resume with the settings that wrote them, or start over explicitly (--fresh) or in "
+                    "another checkpoint directory")
             return None
         if not failed:
             return found
         reason = (" ".join(f"{type(error).__name__}: {error}".split()) if error is not None
                   else f"rank(s) {', '.join(map(str, failed))} could not load it")
+        reasons.append(f"{found.path.name}: {reason[:200]}")
         warnings.warn(f"cannot resume from {found.path}: {reason}; falling back to an older checkpoint",
                       stacklevel=3)
 
