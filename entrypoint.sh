@@ -15,6 +15,8 @@
 #   MASTER_ADDR   rendezvous host (multi-node; default 127.0.0.1)
 #   MASTER_PORT   rendezvous port (multi-node; default 29500; an integer 1-65535)
 #   RDZV_ID       job id shared by all nodes of one job (default: distlab)
+#   RDZV_TIMEOUT  seconds a node waits for the others to join (multi-node; default 600, torchrun's);
+#                 it says "waiting for 1 of 2 nodes at ADDR:PORT ..." every 30 s meanwhile
 #   MAX_RESTARTS  torchrun --max-restarts (default 0)
 #   DISTLAB_TRACE a folder for a trace of the run (or the argument --trace DIR): DIR/trace.json
 #
@@ -93,6 +95,8 @@ if [[ "$NNODES" == *:* ]] && (( ${NNODES%:*} > ${NNODES#*:} )); then
 fi
 [[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] ||
   bad "MAX_RESTARTS='$MAX_RESTARTS' is not a number of restarts: use a whole number (MAX_RESTARTS=3), or 0 for none"
+[[ -z "${RDZV_TIMEOUT:-}" || "$RDZV_TIMEOUT" =~ ^[1-9][0-9]*$ ]] ||
+  bad "RDZV_TIMEOUT='$RDZV_TIMEOUT' is not a number of seconds: use a positive integer (RDZV_TIMEOUT=600)"
 [[ -z "${NODE_RANK:-}" || "$NODE_RANK" =~ ^[0-9]+$ ]] ||
   bad "NODE_RANK='$NODE_RANK' is not a node rank: use 0 on the first node, 1 on the next, ... (NODE_RANK=0)"
 
@@ -135,13 +139,15 @@ else
   MASTER_PORT=${MASTER_PORT:-29500}
   args+=(--nnodes="$NNODES" --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"
          --rdzv_id="${RDZV_ID:-distlab}")
+  rdzv_conf=()
   if [[ -n "${NODE_RANK:-}" ]]; then
     # Node 0 hosts the rendezvous store; the others only connect to it. Saying so
     # explicitly lets several "nodes" share one host (docker-compose, loopback tests).
     # Not --node_rank: c10d ignores it and torchrun warns so on every node but node 0.
-    if [[ "$NODE_RANK" == "0" ]]; then host=true; else host=false; fi
-    args+=(--rdzv_conf="is_host=$host")
+    if [[ "$NODE_RANK" == "0" ]]; then rdzv_conf+=("is_host=true"); else rdzv_conf+=("is_host=false"); fi
   fi
+  [[ -n "${RDZV_TIMEOUT:-}" ]] && rdzv_conf+=("join_timeout=$RDZV_TIMEOUT")
+  if (( ${#rdzv_conf[@]} )); then args+=(--rdzv_conf="$(IFS=,; echo "${rdzv_conf[*]}")"); fi
 fi
 
 # Arguments for the mode: empty ones dropped (docker-compose passes RUN_ARGS="" as one), and

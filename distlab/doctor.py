@@ -37,10 +37,12 @@ import json
 import mmap
 import os
 import pickle
+import socket
 import sys
 import threading
 import time
 from collections import defaultdict
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -495,7 +497,9 @@ def start_watchdog(store, rank: int, world_size: int, timeout_s: float, interval
     such as DDP's) for ``timeout_s`` while no rank of the job makes progress, print the doctor's
     table for all ranks (the first rank to fire prints; ``diagnose_all`` picks the records that
     explain it) and end the process with ``HANG_EXIT_CODE`` so torchrun tears the job down (or
-    restarts it).
+    restarts it). Across nodes (torchrun's GROUP_RANK; ``this_node``) the first rank to fire on
+    each other node prints that report too, or where it is, so that every node's log holds what its
+    agent's summary points at.
 
     Progress is shared through one store counter: a rank adds to it when it records a new op,
     or when its main thread runs (``Progress``) while it is not blocked in an op. So rank 1
@@ -551,18 +555,25 @@ def start_watchdog(store, rank: int, world_size: int, timeout_s: float, interval
             idle_since = max(stuck["t0"], seen[1])
             if time.time() - idle_since < timeout_s:
                 continue
+            node = this_node()
             if store.add("doctor/fired", 1) == 1:
+                if node:
+                    store.add(f"doctor/printed/{node}", 1)  # this node's log gets the report from this rank
+                    store.set("doctor/firer", json.dumps({"rank": rank, "node": node}))  # where to look, if it is late
                 keys = [f"doctor/{r}" for r in range(world_size)]
                 everyone = {r: json.loads(store.get(k)) for r, k in enumerate(keys) if store.check([k])}
                 states = {r: "no records published" for r in range(world_size) if r not in everyone}
                 flight = {r: json.loads(store.get(f"doctor/fr/{r}")) if store.check([f"doctor/fr/{r}"]) else None
                           for r in range(world_size)}
                 findings, text, source = diagnose_all(everyone, flight, states, world_size)
-                print(f"distlab hang doctor (rank {rank}, {HANG_TIMEOUT_ENV}={timeout_s:g}; no rank made progress "
-                      f"for {time.time() - idle_since:.0f} s):\n"
-                      + report(findings or ["no rank is missing; every rank is blocked in the same op"], text,
-                               source=source),
-                      file=sys.stderr, flush=True)
+                text = report(findings or ["no rank is missing; every rank is blocked in the same op"], text,
+                              source=source)
+                where = f", {node}" if node else ""
+                print(f"distlab hang doctor (rank {rank}{where}, {HANG_TIMEOUT_ENV}={timeout_s:g}; no rank made "
+                      f"progress for {time.time() - idle_since:.0f} s):\n{text}", file=sys.stderr, flush=True)
+                store.set("doctor/report", json.dumps({"rank": rank, "node": node, "text": text}))
+            elif node and store.add(f"doctor/printed/{node}", 1) == 1:
+                _print_anothers_report(store, rank, node, min(10.0, max(2.0, timeout_s)))
             if exit_on_fire:
                 os._exit(HANG_EXIT_CODE)
             return
@@ -573,6 +584,41 @@ def start_watchdog(store, rank: int, world_size: int, timeout_s: float, interval
         atexit.register(stop_watchdog)
     _WATCHDOG = (thread, stop)
     return thread
+
+
+def this_node() -> str | None:
+    """This rank's machine as its user names it, "node 1" (NODE_RANK, else torchrun's GROUP_RANK) with its
+    host name where that says more; None outside a multi-node launch (no GROUP_RANK: one machine)."""
+    if "GROUP_RANK" not in os.environ:
+        return None
+    number = os.environ.get("NODE_RANK", "").strip() or os.environ["GROUP_RANK"]
+    host = socket.gethostname()
+    return f"node {number}" + ("" if host in (f"node{number}", "localhost", "") else f" ({host})")
+
+
+def _print_anothers_report(store, rank: int, node: str, within_s: float) -> None:
+    """The first rank to fire is on another node: its report goes to this node's log too.
+
+    Each node's agent ends with "ended by the hang doctor's watchdog: its report above ... names the
+    rank to blame" (``summarize_failure``); after a network cut the report was in one node's log only.
+    If it does not come within ``within_s`` (its rank died first), say where it is instead.
+    """
+    try:
+        store.wait(["doctor/report"], timedelta(seconds=within_s))
+        first = json.loads(store.get("doctor/report"))
+    except Exception:  # not written in time, or the store went away: point at the log that has it
+        try:
+            firer = json.loads(store.get("doctor/firer")) if store.check(["doctor/firer"]) else {}
+        except Exception:
+            firer = {}
+        who = f"rank {firer['rank']} on {firer['node']}" if firer else "a rank of another node"
+        log = f"{firer['node']}'s log" if firer else "that node's log"
+        print(f"distlab hang doctor (rank {rank}, {node}): {who} diagnosed this hang first: see {log} for its "
+              f"report (\"hang diagnosed: ...\", naming the rank to blame)", file=sys.stderr, flush=True)
+        return
+    where = f", {first['node']}" if first.get("node") else ""
+    print(f"distlab hang doctor (rank {rank}, {node}): the report of rank {first['rank']}{where}, which "
+          f"diagnosed this hang first:\n{first['text']}", file=sys.stderr, flush=True)
 
 
 _WATCHDOG: tuple[threading.Thread, threading.Event] | None = None

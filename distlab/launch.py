@@ -15,19 +15,35 @@ tests' and demos' launcher), ``distlab.devices`` (device and backend), ``distlab
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import re
+import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import torch
-import torch.distributed as dist
+TRACEBACK_ENV = "DISTLAB_TRACEBACK"  # "1": torch's traceback and C++ log above the one-line launch error
+CPP_LOG_ENV = "TORCH_CPP_LOG_LEVEL"
+# `python -m distlab.launch`, the torchrun agent: torch's C++ log is off in it (its store client logs
+# every failed connection attempt with ~17 lines of C++ frames: 23 lines before an unreachable node 0
+# was named). The agent's store and rendezvous errors reach Python as exceptions all the same, and end
+# in the one-line cause or in torch's traceback. torch reads the level once, when it loads: hence here,
+# before `import torch`. The workers get the user's setting back (torchrun()); a level the user set,
+# or DISTLAB_TRACEBACK=1, keeps the agent's log too.
+_AGENT_CPP_LOG_OFF = (__name__ == "__main__" and CPP_LOG_ENV not in os.environ
+                      and os.environ.get(TRACEBACK_ENV, "") in ("", "0"))
+if _AGENT_CPP_LOG_OFF:
+    os.environ[CPP_LOG_ENV] = "FATAL"
+
+import torch  # noqa: E402 (after the C++ log level above)
+import torch.distributed as dist  # noqa: E402
 
 from distlab import doctor, p2p, spawn, trace
 from distlab.devices import DEVICE_ENV, free_port, loopback_interface, resolve_backend, resolve_device
@@ -123,6 +139,7 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
     store = dist.PrefixStore(f"distlab/generation_{generation}", store)
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         die_with_parent()  # the agent: a SIGKILLed agent cannot stop its workers itself
+        _quiet_ctrl_c()
     tie_to(os.environ.get(TIE_ENV))
     hang_timeout_s = doctor.watchdog_timeout(os.environ.get(doctor.HANG_TIMEOUT_ENV), timeout_s)
     if hang_timeout_s:
@@ -139,6 +156,25 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
                             device_id=device if "nccl" in backend else None)
     trace.start_rank(rank, world_size, merge_when_done=True)  # DISTLAB_TRACE=DIR: DIR/trace.json when the job ends
     return DistEnv(rank, world_size, local_rank, backend, device)
+
+
+def _quiet_ctrl_c() -> None:
+    """A worker ended by Ctrl-C exits without a traceback: its agent says "stopped by SIGINT" once.
+
+    A terminal's Ctrl-C reaches every process of the job at once (and the agent sends its workers
+    SIGINT again): each rank printed its KeyboardInterrupt's traceback, 27-92 lines in all. Installed
+    before ``init_process_group``, whose hook (the "[rank0]:" prefix) calls this one and prints what
+    it prints: nothing for a KeyboardInterrupt, or an error raised while one was being handled.
+    The rank still exits by SIGINT, as Python does after an unhandled KeyboardInterrupt.
+    """
+    previous = sys.excepthook
+
+    def hook(kind, value, tb) -> None:
+        if any(isinstance(e, KeyboardInterrupt) for e in _chain(value)):
+            return
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
 
 
 _REQUESTS = "distlab/generation_requests"  # a queue in the store: "ask:<id>" and "joined:<generation>"
@@ -227,7 +263,6 @@ class BoundTCPStore(dist.TCPStore):
 
 
 # --------------------------------------------------------------------------- launch errors, in one line
-TRACEBACK_ENV = "DISTLAB_TRACEBACK"  # "1": torch's traceback above the one-line launch error
 
 
 def socket_ifname_problem() -> str | None:
@@ -317,6 +352,137 @@ def _launch_error_line(exc: BaseException, endpoint: str | None) -> str | None:
             f"{port} (`python -c \"import socket; socket.create_connection(('{host}', {port}), 3)\"`)")
 
 
+# --------------------------------------------------------------------------- the agent's rendezvous, watched
+def _chain(exc: BaseException | None) -> list[BaseException]:
+    seen: list[BaseException] = []
+    while exc is not None and len(seen) < 10:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
+_STORE_LOST = re.compile(r"RendezvousConnectionError|Connection reset|Broken pipe|Connection refused|"
+                         r"Connection closed|failed to connect|trying to connect|No route to host|"
+                         r"Network is unreachable|timed out", re.I)
+
+
+class RendezvousWatch:
+    """What this agent saw of its rendezvous: how many nodes joined, and when the job started.
+
+    ``python -m distlab.launch`` wraps the c10d rendezvous with it (``wrap``), so that
+
+    * a node waiting for the others says so every ``interval_s`` (30 s at torch's default
+      join timeout of 600 s): "waiting for 1 of 2 nodes at ADDR:PORT (1 joined), 30 s of 600";
+    * a rendezvous that times out ends in one line saying how many nodes came and what to check
+      (``timeout_line``), not a bare RendezvousTimeoutError;
+    * a store lost after the job started is told apart from one that never answered
+      (``lost_line``): node 0 was there, and went away at a known time.
+    """
+
+    def __init__(self, endpoint: str | None, say=None) -> None:
+        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+        self.endpoint = endpoint
+        self.host, self.port = parse_rendezvous_endpoint(endpoint, default_port=29400) if endpoint else ("?", 0)
+        self.say = say or (lambda line: print(f"distlab.launch: {line}", file=sys.stderr, flush=True))
+        self.started_at: float | None = None  # wall-clock time of the first rendezvous that completed
+        self.joined, self.min_nodes, self.timeout_s = 0, 0, 0.0
+
+    @staticmethod
+    def interval(timeout_s: float) -> float:
+        """Seconds between two "waiting for" lines: 30 at the default 600 s, 1 at 20 s or less."""
+        return min(30.0, max(1.0, timeout_s / 20))
+
+    def _count(self, handler) -> int:
+        try:  # torch's private state (refreshed by the joining thread about once a second)
+            return len(handler._state_holder.state.participants)
+        except AttributeError:
+            return self.joined
+
+    def wrap(self, next_rendezvous):
+        """``DynamicRendezvousHandler.next_rendezvous``, reporting while it waits."""
+        watch = self
+
+        def watched(handler):
+            settings = handler._settings
+            watch.min_nodes, watch.timeout_s = settings.min_nodes, settings.timeout.join.total_seconds()
+            stop, began = threading.Event(), time.monotonic()
+
+            def report() -> None:
+                while not stop.wait(watch.interval(watch.timeout_s)):
+                    watch.joined = watch._count(handler)
+                    if watch.joined < watch.min_nodes:
+                        watch.say(f"waiting for {watch.min_nodes - watch.joined} of {watch.min_nodes} nodes at "
+                                  f"{watch.endpoint} ({watch.joined} joined), {time.monotonic() - began:.0f} s "
+                                  f"of {watch.timeout_s:g}")
+
+            reporter = threading.Thread(target=report, name="distlab-rendezvous-progress", daemon=True)
+            reporter.start()
+            try:
+                info = next_rendezvous(handler)
+            finally:
+                stop.set()
+                reporter.join()
+            watch.joined = watch._count(handler)  # (after a timeout torch has taken this node out: the last look stays)
+            if watch.started_at is None:
+                watch.started_at = time.time()
+            return info
+
+        return watched
+
+    def timeout_line(self, exc: BaseException) -> str | None:
+        from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+        if not any(isinstance(e, RendezvousTimeoutError) for e in _chain(exc)):
+            return None
+        joined = max(1, min(self.joined, self.min_nodes - 1))  # this node, at least, was there
+        return (f"only {joined} of {self.min_nodes} nodes joined the rendezvous at {self.endpoint} within "
+                f"{self.timeout_s:g} s, so the job never started: start the missing node(s) with NNODES="
+                f"{self.min_nodes} and the same MASTER_ADDR, MASTER_PORT and RDZV_ID; a node that is started but "
+                f"cannot reach {self.endpoint} says so in its own log; RDZV_TIMEOUT=<seconds> waits longer")
+
+    def lost_line(self, exc: BaseException | None = None) -> str | None:
+        """Node 0 (the rendezvous store's host) gone after the job started; None if it never started or
+        the error is not about the store. With no ``exc`` (the workers failed first), node 0 counts as
+        lost when it no longer accepts a connection."""
+        if self.started_at is None or self.endpoint is None:
+            return None
+        now = time.time()
+        if exc is not None:
+            if not _STORE_LOST.search("\n".join(f"{type(e).__name__}: {e}" for e in _chain(exc))):
+                return None
+        else:
+            try:
+                socket.create_connection((self.host, self.port), timeout=2).close()
+                return None  # node 0 still answers: the workers' own error is the cause
+            except OSError:
+                pass
+        clock = time.strftime("%H:%M:%S", time.localtime(now))
+        since = time.strftime("%H:%M:%S", time.localtime(self.started_at))
+        return (f"lost node 0 at {self.endpoint} (the host of the rendezvous) at {clock}, {now - self.started_at:.0f} s "
+                f"into the job: it answered from the start ({since}) until then, so node 0's agent stopped (killed, "
+                f"or its machine went down) or the network to it failed; this node's workers were stopped. Its own "
+                f"log says why; then start the job again on every node")
+
+
+class _AgentLogFilter(logging.Filter):
+    """torch's agent warnings that only restate what the last line says: a death signal and the
+    closing signal it sends each worker (a Ctrl-C), a rendezvous it cannot shut down (its store is gone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stopping = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        if "death signal" in message:
+            self.stopping = True
+            return False
+        if "has failed to shutdown the rendezvous" in message:
+            return False
+        return not (self.stopping and "closing signal" in message)
+
+
 def torchrun(argv: list[str]) -> None:
     """``torchrun`` (same arguments) whose rendezvous stores listen only on the address they name.
 
@@ -325,15 +491,23 @@ def torchrun(argv: list[str]) -> None:
     A failed job ends with ``distlab.todo.summarize_failure``'s few lines (the first failing rank
     and its error, once) and exit code 1, not torchrun's traceback and report of every rank.
     A start that fails ends with one line naming the cause and the fix, not torch's ~40-line
-    traceback (``DISTLAB_TRACEBACK=1`` prints it above): MASTER_PORT in use on node 0, node 0 not
-    answering at MASTER_ADDR:MASTER_PORT, MASTER_ADDR not resolving, and (exit code 2, before any
-    worker starts) GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME naming no interface of this machine.
+    traceback (``DISTLAB_TRACEBACK=1`` prints it above, with torch's C++ log): MASTER_PORT in use on
+    node 0, node 0 not answering at MASTER_ADDR:MASTER_PORT, MASTER_ADDR not resolving, nodes
+    missing when the rendezvous times out (``RendezvousWatch``; a line every 30 s while it waits),
+    and (exit code 2, before any worker starts) GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME naming no
+    interface of this machine. Node 0 lost after the job started is said as such (``lost_line``),
+    not as a start that failed. Ctrl-C (SIGINT, or SIGTERM) ends the job with one line and exit
+    code 128 + the signal; the workers (``init_from_env``) print nothing for it.
     """
     from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
     tie_to(os.environ.get(TIE_ENV))  # under a test: the agent dies with the test's pytest, then its workers with it
+    if _AGENT_CPP_LOG_OFF:
+        os.environ.pop(CPP_LOG_ENV, None)  # the workers' C++ log is as the user set it
     if "--standalone" in argv:
         if not any(a.startswith(("--local-addr", "--local_addr")) for a in argv):
             argv = ["--local-addr=127.0.0.1", *argv]
@@ -353,6 +527,13 @@ def torchrun(argv: list[str]) -> None:
         if _resolves(host) is False:  # at once, not after torch's connection attempts (2 x 60 s by default)
             print(f"distlab.launch: {_unresolved(host)}", file=sys.stderr, flush=True)
             sys.exit(1)
+    endpoint = None if args.standalone else args.rdzv_endpoint
+    watch = RendezvousWatch(endpoint)
+    DynamicRendezvousHandler.next_rendezvous = watch.wrap(DynamicRendezvousHandler.next_rendezvous)
+    quiet = _AgentLogFilter()
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api",
+                 "torch.distributed.elastic.rendezvous.dynamic_rendezvous"):
+        logging.getLogger(name).addFilter(quiet)
     dist.TCPStore = c10d_rendezvous_backend.TCPStore = BoundTCPStore
     try:
         run.run(args)  # run.main without its @record, which logs that this agent has no error file
@@ -360,9 +541,17 @@ def torchrun(argv: list[str]) -> None:
         from distlab.todo import summarize_failure
 
         print(summarize_failure(exc), file=sys.stderr, flush=True)
+        lost = watch.lost_line()  # node 0 gone: the workers' errors above follow from it
+        if lost:
+            print(f"distlab.launch: {lost}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except SignalException as exc:
+        name = signal.Signals(exc.sigval).name
+        print(f"distlab.launch: stopped by {name}{' (Ctrl-C)' if exc.sigval == signal.SIGINT else ''}: this node's "
+              f"workers were ended", file=sys.stderr, flush=True)
+        sys.exit(128 + int(exc.sigval))
     except Exception as exc:
-        line = _launch_error_line(exc, None if args.standalone else args.rdzv_endpoint)
+        line = watch.timeout_line(exc) or watch.lost_line(exc) or _launch_error_line(exc, endpoint)
         if line is None:
             raise
         if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):

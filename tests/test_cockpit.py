@@ -9,6 +9,7 @@ cockpit's own code.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -220,3 +221,15 @@ def test_warm_checks_see_each_save_agree_with_a_cold_check_and_leave_nothing(tmp
         run("warm", "--stop", expect=0)
     left = subprocess.run(["pgrep", "-f", f"cockpit.warm --serve {clone}"], capture_output=True, text=True).stdout
     assert not left.strip() and not warm.socket_path(clone).exists(), f"the warm launcher outlived --stop: {left}"
+
+
+def test_ctrl_c_of_check_prints_one_line_not_a_traceback(copy: Path):
+    """Ctrl-C while ``check`` waits for its pytest printed the cockpit's KeyboardInterrupt traceback
+    (27 lines); now one line, exit code 130, and the check's pytest and ranks end with it."""
+    from test_launch_errors import interrupted
+
+    code, after = interrupted([sys.executable, "-m", "distlab", "check", "1.1", "--root", str(copy)], dict(os.environ),
+                              when="checking ")
+    lines = [line for line in after.splitlines() if line.strip()]
+    assert lines == ["distlab check: stopped (Ctrl-C): nothing was recorded for this check"], after[-3000:]
+    assert code == 130, f"exit code {code}:\n{after[-2000:]}"

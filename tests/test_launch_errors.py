@@ -9,9 +9,13 @@ timeouts, and check that the last line is that message and that no Python traceb
 from __future__ import annotations
 
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -78,9 +82,131 @@ def test_an_unreachable_master_addr_ends_in_one_line_with_the_checks(addr, says)
            "--rdzv_conf=is_host=false,read_timeout=2", "-m", "demos.comm"]
     code, out = _run(cmd, _clean_env())
     _assert_ends_with_one_line(code, out, says.format(port=port))
+    # Only the line: torch's C++ log of each failed connection attempt (23 lines of "[W...] TCPStore.cpp",
+    # "[E...] socket.cpp" and C++ frames before it) is off in the agent.
+    assert out.strip().splitlines() == [out.strip().splitlines()[-1]], f"more than the one line:\n{out[-3000:]}"
     if "nobody answered" in says:
         last = out.splitlines()[-1]
         assert all(check in last for check in ("node 0 is started", "getent hosts", "ip route get", "firewall")), last
+
+
+def _started(cmd: list[str], env: dict[str, str], marker: str) -> tuple[subprocess.Popen, bytearray, threading.Thread]:
+    """``cmd`` in a session of its own (as a terminal's job), its output gathered by a thread as it comes.
+
+    SIGINT goes back to its default first: a pytest started in the background of a non-interactive
+    shell ignores SIGINT, and an ignored SIGINT is inherited (the Ctrl-C tests would send nothing).
+    """
+    default_sigint = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])"
+    proc = subprocess.Popen([sys.executable, "-c", default_sigint, *cmd], cwd=REPO, env={**marked_environ(marker), **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    out = bytearray()
+
+    def gather() -> None:
+        while chunk := proc.stdout.read1(65536):
+            out.extend(chunk)
+
+    reader = threading.Thread(target=gather, daemon=True)
+    reader.start()
+    return proc, out, reader
+
+
+def _wait_for(proc: subprocess.Popen, out: bytearray, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text.encode() not in out:
+        assert proc.poll() is None, f"it ended ({proc.returncode}) before printing {text!r}:\n{out.decode()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {text!r} within {timeout_s:g} s:\n{out.decode()[-3000:]}"
+        time.sleep(0.05)  # polling a pipe's gathered output: nothing to block on
+
+
+def interrupted(cmd: list[str], env: dict[str, str], when: str, timeout_s: float = 90) -> tuple[int, str]:
+    """Run ``cmd`` until it prints ``when``, then press Ctrl-C (SIGINT to its whole process group, as a
+    terminal does): its exit code and what it printed after that. Nothing it started outlives the test."""
+    marker = os.urandom(8).hex()
+    proc, out, reader = _started(cmd, env, marker)
+    try:
+        _wait_for(proc, out, when, timeout_s)
+        seen = len(out)
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=60)
+        reader.join(10)
+    finally:
+        kill_process_tree(proc.pid, marker)
+        proc.wait()
+    return code, out[seen:].decode(errors="replace")
+
+
+def test_ctrl_c_of_entrypoint_prints_one_line_not_every_ranks_traceback():
+    """Ctrl-C reaches the agent and both ranks at once: each rank printed its KeyboardInterrupt's
+    traceback and the agent its own (92 lines). Now the ranks print nothing and the agent one line."""
+    code, after = interrupted([str(ENTRYPOINT), "--numel", "64", "--repeats", "100000000"],
+                              _clean_env(RUN_MODE="comm", NPROC="2"), when="== the primitives")  # after init_from_env
+    lines = [line for line in after.splitlines() if line.strip()]
+    assert "Traceback" not in after and "KeyboardInterrupt" not in after, after[-4000:]
+    assert lines == ["distlab.launch: stopped by SIGINT (Ctrl-C): this node's workers were ended"], after[-4000:]
+    assert code == 128 + signal.SIGINT, f"exit code {code}:\n{after[-2000:]}"
+
+
+def _two_nodes(port: str, worker: Path, marker: str) -> list:
+    nodes = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "distlab.launch", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+               f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=lost-{port}",
+               f"--rdzv_conf=is_host={'true' if node == 0 else 'false'}", str(worker)]
+        nodes.append(_started(cmd, _clean_env(), marker))
+    return nodes
+
+
+# A worker that only runs: the agents' store is what is lost, and no torch import makes the test fast.
+_RUNS = """
+import os, time
+print(f"rank {os.environ['RANK']} runs; its C++ log level: {os.environ.get('TORCH_CPP_LOG_LEVEL')}", flush=True)
+time.sleep(600)
+"""
+
+
+def test_node_0_lost_mid_run_is_said_as_lost_not_as_a_start_that_failed(tmp_path):
+    """Node 0 killed while the job runs: node 1 printed the start-up diagnosis ("nobody answered at ...
+    check that node 0 is started"), though node 0 had answered all along. Now: lost, and when."""
+    worker = tmp_path / "runs.py"
+    worker.write_text(_RUNS)
+    port, marker = str(free_port()), os.urandom(8).hex()
+    nodes = _two_nodes(port, worker, marker)
+    try:
+        (node0, out0, _), (node1, out1, reader1) = nodes
+        _wait_for(node1, out1, " runs; its C++ log level", 90)
+        os.killpg(node0.pid, signal.SIGKILL)  # node 0's agent and its worker, at once: a machine gone
+        code = node1.wait(timeout=60)
+        reader1.join(10)
+    finally:
+        for proc, _, _ in nodes:
+            kill_process_tree(proc.pid, marker)
+            proc.wait()
+    out = out1.decode(errors="replace")
+    last = out.strip().splitlines()[-1]
+    assert code != 0, out[-3000:]
+    assert re.match(rf"distlab\.launch: lost node 0 at 127\.0\.0\.1:{port} \(the host of the rendezvous\) at "
+                    rf"\d\d:\d\d:\d\d, \d+ s into the job: it answered from the start", last), out[-3000:]
+    assert "nobody answered" not in out and "check that node 0 is started" not in out, out[-3000:]
+    # The agent's C++ log is off, the workers' is as the user left it (unset here)
+    assert "its C++ log level: None" in out, out[-3000:]
+
+
+def test_a_node_waiting_for_the_others_says_so_and_ends_in_one_line():
+    """NNODES=2 with one node started: silence for torchrun's 600 s join timeout, then 41 lines ending
+    in a bare RendezvousTimeoutError. Now a line every interval while it waits, then one line.
+    (RDZV_TIMEOUT=4: the interval is 1 s at 20 s or less, 30 s at torch's default 600 s.)"""
+    port = free_port()
+    code, out = _run([str(ENTRYPOINT), "--numel", "64"],
+                     _clean_env(RUN_MODE="comm", NPROC="1", NNODES="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1",
+                                MASTER_PORT=str(port), RDZV_ID=f"alone-{port}", RDZV_TIMEOUT="4"), timeout_s=60)
+    _assert_ends_with_one_line(code, out, f"only 1 of 2 nodes joined the rendezvous at 127.0.0.1:{port} within 4 s")
+    waiting = re.findall(rf"^distlab\.launch: waiting for 1 of 2 nodes at 127\.0\.0\.1:{port} \(1 joined\), "
+                         rf"(\d+) s of 4$", out, re.M)
+    assert len(waiting) >= 2 and waiting == sorted(waiting, key=int), f"no progress while it waited:\n{out[-3000:]}"
+    rest = [line for line in out.strip().splitlines()[:-1]
+            if not line.startswith(("entrypoint.sh: RUN_MODE=", "distlab.launch: waiting for"))]
+    assert rest == [], f"more than the progress and the last line:\n{out[-3000:]}"
+    assert "RDZV_TIMEOUT=" in out.splitlines()[-1] and "NNODES=2" in out.splitlines()[-1], out.splitlines()[-1]
 
 
 def test_a_wrong_interface_name_ends_in_one_line_listing_the_interfaces():

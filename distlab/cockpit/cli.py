@@ -224,4 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BrokenPipeError:  # `python -m distlab status | head`: the reader has all it wants
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except KeyboardInterrupt:
+        # Ctrl-C: one line, not the traceback of whatever this process was waiting in. The check's pytest
+        # (same terminal) got the SIGINT too and is ended with it, and its ranks with pytest (TIE_ENV).
+        print(f"distlab {args.command}: stopped (Ctrl-C)"
+              + (": nothing was recorded for this check" if args.command == "check" else ""), file=sys.stderr)
+        return 130
     return 0
