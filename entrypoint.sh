@@ -188,7 +188,9 @@ if [[ "$IMPL" == "templates" ]]; then
   # stderr goes through a filter that prints that line once instead of torchrun's report of
   # every rank's exit. stdout (progress, tables) passes straight through.
   set +e
-  todo_filter='import sys; from distlab.todo import TODO_EXIT_CODE, filter_launcher_output as f
+  # The filter ignores Ctrl-C: it reads on until the launcher (which says it was stopped) closes the pipe.
+  todo_filter='import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN)
+from distlab.todo import TODO_EXIT_CODE, filter_launcher_output as f
 sys.exit(TODO_EXIT_CODE if f(sys.stdin, sys.stderr) else 0)'
   { "${launcher[@]}" "${args[@]}" -m "$module" "$@" 2>&1 1>&3 3>&- | python -c "$todo_filter" 3>&-
     statuses=("${PIPESTATUS[@]}"); } 3>&1

@@ -459,10 +459,12 @@ class RendezvousWatch:
                 pass
         clock = time.strftime("%H:%M:%S", time.localtime(now))
         since = time.strftime("%H:%M:%S", time.localtime(self.started_at))
+        after = ("this node's workers were stopped" if exc is not None
+                 else "the errors above follow from it")
         return (f"lost node 0 at {self.endpoint} (the host of the rendezvous) at {clock}, {now - self.started_at:.0f} s "
-                f"into the job: it answered from the start ({since}) until then, so node 0's agent stopped (killed, "
-                f"or its machine went down) or the network to it failed; this node's workers were stopped. Its own "
-                f"log says why; then start the job again on every node")
+                f"into the job: it had answered since the job started ({since}), then its agent ended (its own "
+                f"workers failed, it was stopped or killed, or its machine went down) or the network to it failed; "
+                f"{after}. Node 0's log says which; then start the job again on every node")
 
 
 class _AgentLogFilter(logging.Filter):

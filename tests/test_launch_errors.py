@@ -185,7 +185,7 @@ def test_node_0_lost_mid_run_is_said_as_lost_not_as_a_start_that_failed(tmp_path
     last = out.strip().splitlines()[-1]
     assert code != 0, out[-3000:]
     assert re.match(rf"distlab\.launch: lost node 0 at 127\.0\.0\.1:{port} \(the host of the rendezvous\) at "
-                    rf"\d\d:\d\d:\d\d, \d+ s into the job: it answered from the start", last), out[-3000:]
+                    rf"\d\d:\d\d:\d\d, \d+ s into the job: it had answered since the job started", last), out[-3000:]
     assert "nobody answered" not in out and "check that node 0 is started" not in out, out[-3000:]
     # The agent's C++ log is off, the workers' is as the user left it (unset here)
     assert "its C++ log level: None" in out, out[-3000:]
