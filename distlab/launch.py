@@ -460,7 +460,7 @@ class RendezvousWatch:
         clock = time.strftime("%H:%M:%S", time.localtime(now))
         since = time.strftime("%H:%M:%S", time.localtime(self.started_at))
         after = ("this node's workers were stopped" if exc is not None
-                 else "the errors above follow from it")
+                 else "the workers' errors above follow from that")
         return (f"lost node 0 at {self.endpoint} (the host of the rendezvous) at {clock}, {now - self.started_at:.0f} s "
                 f"into the job: it had answered since the job started ({since}), then its agent ended (its own "
                 f"workers failed, it was stopped or killed, or its machine went down) or the network to it failed; "
@@ -542,8 +542,12 @@ def torchrun(argv: list[str]) -> None:
     except ChildFailedError as exc:
         from distlab.todo import summarize_failure
 
-        print(summarize_failure(exc), file=sys.stderr, flush=True)
-        lost = watch.lost_line()  # node 0 gone: the workers' errors above follow from it
+        summary = summarize_failure(exc)
+        print(summary, file=sys.stderr, flush=True)
+        # Node 0 gone, and the workers' error is one a lost peer causes (a closed connection, a signal):
+        # then that is the news. A worker's own error (a ValueError, a TODO) stays the last word.
+        first = summary.splitlines()[0]
+        lost = watch.lost_line() if re.search(f"{_STORE_LOST.pattern}|no error recorded", first, re.I) else None
         if lost:
             print(f"distlab.launch: {lost}", file=sys.stderr, flush=True)
         sys.exit(1)
