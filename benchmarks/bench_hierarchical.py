@@ -242,12 +242,12 @@ class ShapedNodes:
     """``nodes`` containers on a bridge network of their own, each one's eth0 egress limited by tbf.
 
     Containers mount this machine's Python environment and the repository read-only at the same
-    paths (tests/cluster/engine.py's offline way), and get NET_ADMIN so ``tc`` works inside them.
+    paths (distlab/compose.py's offline way), and get NET_ADMIN so ``tc`` works inside them.
     ``close`` removes the containers and the network; use it in ``finally``.
     """
 
     def __init__(self, image: str, nodes: int, rate_mbit: float, sysctls: tuple[str, ...] = ()) -> None:
-        from tests.cluster.engine import REPO, docker, python_mounts
+        from distlab.compose import REPO, docker, python_mounts
 
         self.docker, self.rate_mbit = docker, rate_mbit
         self.prefix = f"distlab-hier-{os.urandom(4).hex()}"
@@ -405,7 +405,7 @@ def _check_shaping(runs: list[dict], rate_mbit: float) -> None:
 # --------------------------------------------------------------------------- run
 def run(quick: bool = False, out_dir: Path | None = None, launches: int = 3, rate_mbit: float = RATE_MBIT,
         sysctls: tuple[str, ...] = ()) -> dict:
-    from tests.cluster.engine import EngineUnavailable, base_image, start_engine
+    from distlab.compose import EngineUnavailable, base_image, start_engine
 
     sizes, repeats = (QUICK_SIZES, 3) if quick else (SIZES, 5)
     work = Path(tempfile.mkdtemp(prefix="distlab-hier-"))

@@ -8,7 +8,8 @@ foreground as a child of the test, on ports chosen free here and written into th
 
     slurm = start(tmp_path, nodes=2, cpus=2)
     try:
-        out = slurm.sbatch(script, "--wait", env={...}, cwd=checkout)
+        out = slurm.sbatch(script, f"--output={tmp_path}/job.out", env={...}, cwd=checkout)
+        state = slurm.wait_job(job_id, tmp_path / "job.out")     # followed while it progresses
     finally:
         leftovers = slurm.stop()   # what was still running (killed): a test fails on any
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -27,6 +29,9 @@ from pathlib import Path
 from distlab.procs import die_with_parent
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
+# JobStates after which a job does no more (scontrol's names; COMPLETING still runs its epilog)
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
+         "OUT_OF_MEMORY"}
 CLIENTS = ("sbatch", "sinfo", "scontrol", "scancel", "srun")
 MARKER = "DISTLAB_SLURM_ROOT"  # in every daemon's environment and each job's: how leftovers are found
 
@@ -82,6 +87,35 @@ class Slurm:
         return subprocess.run(["sbatch", *args, str(script)], env={**env, "SLURM_CONF": str(self.conf),
                                                                    MARKER: str(self.root)},
                               cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """``scontrol show job``'s fields (JobState, ExitCode, ...); {} where SLURM does not know the job."""
+        out = self.run("scontrol", "--oneliner", "show", "job", job_id, timeout=60)
+        return dict(re.findall(r"(\w+)=(\S*)", out.stdout)) if out.returncode == 0 else {}
+
+    def wait_job(self, job_id: str, output: Path, quiet_s: float = 420, cap_s: float = 1500) -> dict[str, str]:
+        """The job's fields once it has ended; waited for while it progresses (its state changes, its output grows).
+
+        RuntimeError, with the job's output and the daemons' logs, after ``quiet_s`` without progress or ``cap_s``
+        in all (torch's import by every rank of a node, on a loaded host, prints nothing for a minute or more).
+        """
+        start = last_progress = time.monotonic()
+        seen = None
+        while True:
+            fields = self.job(job_id)
+            if fields.get("JobState") in ENDED:
+                return fields
+            size = output.stat().st_size if output.exists() else -1
+            now = time.monotonic()
+            if (fields.get("JobState"), size) != seen:
+                seen, last_progress = (fields.get("JobState"), size), now
+            if now - last_progress > quiet_s or now - start > cap_s:
+                why = (f"silent for {now - last_progress:.0f} s" if now - last_progress > quiet_s
+                       else f"still not done after {cap_s:.0f} s")
+                text = output.read_text(errors="replace") if output.exists() else "(no output yet)"
+                raise RuntimeError(f"job {job_id} is {fields.get('JobState')} and {why}:\n{text[-3000:]}\n"
+                                   f"{self.logs()}")
+            time.sleep(1)  # polling the controller: sbatch --wait polls too, ever more slowly
 
     def logs(self) -> str:
         """The tail of every daemon's log, for a failure message."""
