@@ -497,9 +497,10 @@ def start_watchdog(store, rank: int, world_size: int, timeout_s: float, interval
     such as DDP's) for ``timeout_s`` while no rank of the job makes progress, print the doctor's
     table for all ranks (the first rank to fire prints; ``diagnose_all`` picks the records that
     explain it) and end the process with ``HANG_EXIT_CODE`` so torchrun tears the job down (or
-    restarts it). Across nodes (torchrun's GROUP_RANK; ``this_node``) the first rank to fire on
-    each other node prints that report too, or where it is, so that every node's log holds what its
-    agent's summary points at.
+    restarts it). Across nodes (torchrun's GROUP_RANK; ``this_node``) a rank blocked while another
+    has diagnosed the hang ends with it, without waiting for its own timeout; the first of each other
+    node's ranks prints that report too (or where it is), and all end together (``exit_at``), so that
+    every node's log holds what its agent's summary points at.
 
     Progress is shared through one store counter: a rank adds to it when it records a new op,
     or when its main thread runs (``Progress``) while it is not blocked in an op. So rank 1
@@ -553,9 +554,13 @@ def start_watchdog(store, rank: int, world_size: int, timeout_s: float, interval
             if counter != seen[0]:
                 seen = (counter, time.time())
             idle_since = max(stuck["t0"], seen[1])
-            if time.time() - idle_since < timeout_s:
-                continue
             node = this_node()
+            # Across nodes, a rank blocked while another has diagnosed the hang is part of it: it ends now,
+            # with that report in its node's log, not later with the connection error the firer's exit
+            # causes (on loopback the other node's summary was "Connection closed by peer", no report).
+            joins = node is not None and store.check(["doctor/report"])
+            if time.time() - idle_since < timeout_s and not joins:
+                continue
             if store.add("doctor/fired", 1) == 1:
                 if node:
                     store.add(f"doctor/printed/{node}", 1)  # this node's log gets the report from this rank
@@ -571,9 +576,18 @@ def start_watchdog(store, rank: int, world_size: int, timeout_s: float, interval
                 where = f", {node}" if node else ""
                 print(f"distlab hang doctor (rank {rank}{where}, {HANG_TIMEOUT_ENV}={timeout_s:g}; no rank made "
                       f"progress for {time.time() - idle_since:.0f} s):\n{text}", file=sys.stderr, flush=True)
-                store.set("doctor/report", json.dumps({"rank": rank, "node": node, "text": text}))
-            elif node and store.add(f"doctor/printed/{node}", 1) == 1:
-                _print_anothers_report(store, rank, node, min(10.0, max(2.0, timeout_s)))
+                # Across nodes every blocked rank ends at exit_at, after the others' have read the report (above):
+                # one that ended first would close its connections, and a peer's collective would fail with
+                # "Connection closed by peer" before its watchdog said why.
+                exit_at = time.time() + (2 * interval_s if node else 0.0)
+                store.set("doctor/report", json.dumps({"rank": rank, "node": node, "text": text, "exit_at": exit_at}))
+                stop.wait(max(0.0, exit_at - time.time()))
+            elif node:
+                first = _read_report(store, min(10.0, max(2.0, timeout_s)))
+                if store.add(f"doctor/printed/{node}", 1) == 1:
+                    _print_anothers_report(store, rank, node, first)
+                if first:
+                    stop.wait(max(0.0, min(float(first.get("exit_at", 0.0)) - time.time(), 4 * interval_s)))
             if exit_on_fire:
                 os._exit(HANG_EXIT_CODE)
             return
@@ -596,17 +610,23 @@ def this_node() -> str | None:
     return f"node {number}" + ("" if host in (f"node{number}", "localhost", "") else f" ({host})")
 
 
-def _print_anothers_report(store, rank: int, node: str, within_s: float) -> None:
+def _read_report(store, within_s: float) -> dict | None:
+    """The first firing rank's report ({"rank", "node", "text", "exit_at"}); None if not there within ``within_s``."""
+    try:
+        store.wait(["doctor/report"], timedelta(seconds=within_s))
+        return json.loads(store.get("doctor/report"))
+    except Exception:  # not written in time (its rank died first), or the store went away
+        return None
+
+
+def _print_anothers_report(store, rank: int, node: str, first: dict | None) -> None:
     """The first rank to fire is on another node: its report goes to this node's log too.
 
     Each node's agent ends with "ended by the hang doctor's watchdog: its report above ... names the
     rank to blame" (``summarize_failure``); after a network cut the report was in one node's log only.
-    If it does not come within ``within_s`` (its rank died first), say where it is instead.
+    Without the report (``first`` is None: it did not come in time) say where it is instead.
     """
-    try:
-        store.wait(["doctor/report"], timedelta(seconds=within_s))
-        first = json.loads(store.get("doctor/report"))
-    except Exception:  # not written in time, or the store went away: point at the log that has it
+    if first is None:
         try:
             firer = json.loads(store.get("doctor/firer")) if store.check(["doctor/firer"]) else {}
         except Exception:
