@@ -602,8 +602,8 @@ def start_watchdog(store, rank: int, world_size: int, timeout_s: float, interval
 
 def this_node() -> str | None:
     """This rank's machine as its user names it, "node 1" (NODE_RANK, else torchrun's GROUP_RANK) with its
-    host name where that says more; None outside a multi-node launch (no GROUP_RANK: one machine)."""
-    if "GROUP_RANK" not in os.environ:
+    host name where that says more; None outside a multi-node torchrun job (GROUP_WORLD_SIZE: nodes)."""
+    if "GROUP_RANK" not in os.environ or int(os.environ.get("GROUP_WORLD_SIZE") or 1) < 2:
         return None
     number = os.environ.get("NODE_RANK", "").strip() or os.environ["GROUP_RANK"]
     host = socket.gethostname()

@@ -241,7 +241,7 @@ def _worker_a_node_cut_off(rank, world_size, store_path, log_dir, nodes, timeout
     rank 2 never enters, its watchdog on (timeouts[rank]), its node named by torchrun's GROUP_RANK (nodes[rank])."""
     sys.stderr = open(os.path.join(log_dir, f"rank{rank}.log"), "w")
     os.environ.pop("NODE_RANK", None)
-    os.environ["GROUP_RANK"] = str(nodes[rank])
+    os.environ.update(GROUP_RANK=str(nodes[rank]), GROUP_WORLD_SIZE="2")  # as torchrun sets them
     doctor.install(rank).begin("all_reduce", None, 16, None, False)  # entered; rank 2 never comes
     watch = doctor.start_watchdog(dist.FileStore(store_path, world_size), rank, 3, timeout_s=timeouts[rank],
                                   exit_on_fire=False)
