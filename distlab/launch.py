@@ -6,7 +6,9 @@ CPU and gloo otherwise), and runs as rank 0 of 1 without torchrun. ``shutdown()`
 
 ``python -m distlab.launch ARGS`` is ``torchrun ARGS`` (``entrypoint.sh`` uses it) whose rendezvous
 store listens only on the address it names, and whose failures end in a few lines: the failing
-rank's error, or the launch error (port taken, node 0 unreachable, a wrong interface) with its fix.
+rank's error, or the launch error (port taken, node 0 unreachable, a wrong interface, nodes missing
+at the rendezvous timeout, node 0 lost mid-run) with its fix; a line every 30 s while it waits for
+the other nodes; one line for a Ctrl-C.
 
 The rest of the bench's launching lives beside it: ``distlab.spawn`` (``run_distributed``, the
 tests' and demos' launcher), ``distlab.devices`` (device and backend), ``distlab.procs``
