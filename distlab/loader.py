@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from distlab import hooks, role
+
 IMPL_ENV = "DISTLAB_IMPL"
 STUDENT_DIR_ENV = "DISTLAB_STUDENT_DIR"
 IMPLS = ("solutions", "templates")
@@ -87,10 +89,9 @@ REFUSED = "the exercise scores 0 until the template implements its TODOs itself"
 
 
 def _refuse_unless_clean(path: Path, phase: str, name: str) -> None:
-    """The static rules of distlab/isolation.py, before a line of the template runs."""
-    from distlab.isolation import lint
-
-    if problems := lint(path, phase, name):
+    """The static rules (distlab/grading/isolation.py in a graded run), before a line of the template runs."""
+    checks = hooks.template_checks()
+    if checks is not None and (problems := checks.lint(path, phase, name)):
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise IntegrityError(f"{problems[0]}{more}: {REFUSED}")
 
@@ -101,15 +102,11 @@ def _exec_guarded(run, rel: str) -> None:
     What it changed is put back first: a template graded in the same process as other exercises
     must not leave its patch behind for them.
     """
-    from distlab.isolation import BenchGuard
-
-    guard, before = BenchGuard(), set(sys.modules)
-    from distlab import sandbox, spawn
-
-    if spawn._IN_RUN_DISTRIBUTED:  # not a test's child (verdict.py): it may start ranks, which it must be able to end
-        sandbox.drop_privileges()  # a rank graded as root: the learner's code runs as the unprivileged user
+    checks = hooks.template_checks()
+    after = checks.guard() if checks is not None else list  # list(): nothing changed
+    before = set(sys.modules)
     run()
-    changed = guard.restore()
+    changed = after()
     reached = sorted(m for m in set(sys.modules) - before if m.split(".")[0] in ("solutions", "tests"))
     if changed:
         raise IntegrityError(f"{rel} changed the bench's {', '.join(changed)} when imported: {REFUSED}")
@@ -127,11 +124,9 @@ def load(phase: str, name: str, impl: str | None = None) -> ModuleType:
     """
     explicit = impl is not None
     impl = impl or current_impl()
-    from distlab import spawn, verdict
-
-    if impl == "templates" and verdict.PARENT and not verdict.IN_CHILD and not spawn._IN_RUN_DISTRIBUTED:
+    if impl == "templates" and role.current() == role.GRADER:
         raise RuntimeError("a template loaded in pytest's own process of a graded run: the verdicts must come "
-                           "from a process that never ran learner code (see distlab/verdict.py)")
+                           "from a process that never ran learner code (see distlab/grading/verdict.py)")
     dotted, rel = module_path(phase, name, impl)
     student_dir = None if explicit else os.environ.get(STUDENT_DIR_ENV)
     if not student_dir:

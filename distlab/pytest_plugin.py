@@ -8,14 +8,15 @@ pytest's options (see distlab/loader.py).
 
 Tests name their exercise with ``@pytest.mark.exercise("1.1 collectives")``; the
 run ends with a score per exercise, and ``--results-json PATH`` writes it in
-Gradescope's format (see distlab/grade.py). A test that checks code a template
+Gradescope's format (see distlab/grading/grade.py). A test that checks code a template
 gives away ready-made (argument validation, ...) is marked ``scaffold``.
 
 This is a plugin, loaded by ``-p distlab.pytest_plugin`` in pyproject.toml's addopts,
 not a conftest.py: pytest then knows ``--student-dir`` takes a value before it looks
 for test paths, so ``--student-dir /path`` (with a space) is not mistaken for a test
 path, and a student's copy that ships its own tests/conftest.py cannot register the
-options a second time.
+options a second time. What grading adds (the rules, the sandbox, the verdict's process,
+``--record-reference``) is distlab/grading/plugin.py's, loaded beside it.
 """
 from __future__ import annotations
 
@@ -47,11 +48,6 @@ def pytest_addoption(parser):
     group.addoption("--results-json", default=None,
                     help="write per-exercise scores (Gradescope format) to this path")
     group.addoption("--weights", default=str(WEIGHTS), help="points per exercise (TOML, [weights] table)")
-    group.addoption("--record-reference", action="store_true",
-                    help="run every graded test on the reference and keep its checks for grading runs "
-                         "(grading/gradescope/setup.sh; distlab/verdict.py)")
-
-
 
 
 def pytest_configure(config):
@@ -80,48 +76,12 @@ def pytest_configure(config):
 
     tie_to(os.environ.get(TIE_ENV))
     os.environ[TIE_ENV] = str(os.getpid())
-    if config.getoption("--impl") == "templates":
-        _isolate_graded_run()
-        if student_dir:  # an instructor's grading run: no template in this process (distlab/verdict.py)
-            from distlab import verdict
-
-            verdict.PARENT = True
     config.addinivalue_line("markers", "exercise(name): the exercise a test grades")
     config.addinivalue_line("markers", "scaffold: checks code that templates provide ready-made")
     config.addinivalue_line("markers", "gpu: needs CUDA (skipped without enough GPUs)")
     config._distlab_results = OrderedDict()
     config._distlab_collected = {}  # nodeid -> exercise, graded tests collected (selected or deselected)
     config._distlab_deselected = set()  # nodeids of those left out by -k, -m, --deselect, ...
-
-
-def _isolate_graded_run() -> None:
-    """A graded run: the sandbox's audit hook in this process too (single-process tests load templates
-    here); as root with ranks to run as an unprivileged user (grading/gradescope/run_autograder), the
-    reference modules preloaded by the forkserver, so ranks have them once they cannot read the files."""
-    from distlab import sandbox
-
-    sandbox.install_hook()
-    if os.environ.get(sandbox.RANK_USER_ENV) and os.geteuid() == 0:
-        from multiprocessing import forkserver
-
-        from distlab.spawn import _context
-
-        reference = [f"solutions.{p.parent.name}.{p.stem}" for p in sorted(REPO.glob("solutions/phase*/*.py"))
-                     if p.stem != "__init__"]
-        _context().set_forkserver_preload(forkserver._forkserver._preload_modules + reference)
-
-
-@pytest.fixture(autouse=True)
-def _tmp_path_open_to_rank_user(request):
-    """Ranks graded as the unprivileged user write checkpoints to the test's tmp_path (pytest makes it 0700)."""
-    from distlab.sandbox import RANK_USER_ENV
-
-    if os.environ.get(RANK_USER_ENV) and os.geteuid() == 0 and "tmp_path" in request.fixturenames:
-        path = request.getfixturevalue("tmp_path")
-        os.chmod(path, 0o777)
-        for parent in list(path.parents)[:3]:  # test dir, numbered basetemp, pytest-of-root
-            os.chmod(parent, parent.stat().st_mode | 0o011)
-    yield
 
 
 class _OneLine:
@@ -168,21 +128,6 @@ def pytest_deselected(items):
 
 def pytest_collection_finish(session):
     _note_collected(session.items)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_pyfunc_call(pyfuncitem):
-    from distlab import verdict
-
-    if verdict.PARENT:
-        verdict.run_in_child(pyfuncitem)  # the learner's code loads there; its outcome comes back
-        return True
-    if pyfuncitem.config.getoption("--record-reference"):
-        if pyfuncitem.get_closest_marker("exercise") is None:
-            pytest.skip("not a graded test: no checks to record")
-        verdict.reference_checks(pyfuncitem)
-        return True
-    return None
 
 
 @pytest.hookimpl(hookwrapper=True)

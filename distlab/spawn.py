@@ -30,7 +30,10 @@ Inside a test, a learner's ``dist.all_reduce`` runs wrapped: the hang doctor rec
 (``distlab.comm``), and a send or receive also goes through the strict point-to-point checker
 (``distlab.p2p``). The wrappers call torch's function unchanged; they only watch. In a grading run
 each rank's result carries the checks it recorded (``distlab.testing``), for the grader's process to
-compare (``distlab.verdict``); an "ok" without them did not come from here and is refused.
+compare (distlab/grading/verdict.py); an "ok" without them did not come from here and is refused.
+
+This module is the launcher's side; a rank's own life is distlab/rank.py's, with the rank hooks a layer
+above the bench (grading) gives every rank (distlab/hooks.py).
 
 Workers never read the environment; ``distlab.launch.init_from_env`` is the torchrun-side twin.
 """
@@ -43,27 +46,25 @@ import os
 import pickle
 import re
 import shutil
-import signal
 import tempfile
-import threading
 import time
-import traceback
 import uuid
-from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
-
-from distlab import doctor, p2p, sandbox, testing, trace
-from distlab.devices import loopback_interface, resolve_backend
-from distlab.procs import (_PR_SET_CHILD_SUBREAPER, _PR_SET_PDEATHSIG, RUN_MARKER_ENV, _descendants, _prctl,
-                           kill_process_tree, marked_environ)
+from distlab import doctor, hooks, role, testing
+from distlab.devices import resolve_backend
+from distlab.procs import kill_process_tree, marked_environ
+from distlab.rank import InitError, child
 from distlab.todo import LearnerTODO
 
 _CTX = None
-_IN_RUN_DISTRIBUTED = False  # True inside a rank started by run_distributed
+
+
+def __getattr__(name: str):
+    if name == "_IN_RUN_DISTRIBUTED":  # distlab/launch.py's spelling of role.is_rank() (distlab/role.py)
+        return role.is_rank()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _context():
@@ -84,6 +85,14 @@ def _context():
     return _CTX
 
 
+def preload(*modules: str) -> None:
+    """Import ``modules`` once in the forkserver too, for every rank (before the first run: a forkserver
+    already started keeps what it has)."""
+    from multiprocessing import forkserver
+
+    _context().set_forkserver_preload(forkserver._forkserver._preload_modules + list(modules))
+
+
 def _stop_helpers() -> None:
     # The forkserver and multiprocessing's resource tracker would otherwise outlive this
     # process by a moment and, where nothing reaps orphans (a container's PID 1), stay
@@ -97,119 +106,11 @@ def _stop_helpers() -> None:
             pass
 
 
-def _die_with_launcher(alive, marker: str) -> None:
-    """In a rank: die when the launching process does, whatever killed it."""
-    # A stopped rank (SIGSTOP, a debugger) could not notice anything: the kernel sends it SIGCONT
-    # when its parent (the forkserver, which exits with the launcher) dies. Not SIGKILL: the
-    # watch below must first kill the helpers this world started, which would otherwise be
-    # orphaned. As a subreaper the rank also inherits its own orphaned descendants.
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGCONT)
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-
-    def watch() -> None:  # the launcher holds the other end: EOF means it is gone (or done with us)
-        try:
-            alive.recv_bytes()
-        except (EOFError, OSError):
-            pass
-        kill_process_tree(marker=marker)  # helpers this world started, in any session
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="distlab-launcher-watch", daemon=True).start()
-
-
-def _drop_forkserver_alive_fd() -> None:
-    """In a rank: close the write end of the forkserver's "alive" pipe, which every forkserver child inherits.
-
-    The forkserver exits when that pipe has no writer left. A rank that held it (one stopped by
-    SIGSTOP) kept its parent, the forkserver, alive after the launcher was SIGKILLed, so the
-    parent-death signal that wakes the rank never came: 3 processes left for good. A rank that
-    starts processes of its own gets a forkserver of its own (this one's pid is unknown here).
-    """
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver
-    if server._forkserver_pid is None and server._forkserver_alive_fd is not None:
-        try:
-            os.close(server._forkserver_alive_fd)
-        except OSError:
-            pass
-        server._forkserver_alive_fd = None
-
-
-def _child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s, env, conn, alive=None,
-           doctor_path=None):
-    # The forkserver was started with the environment of an earlier moment; use
-    # the launching process's environment as it is now (DISTLAB_IMPL, ...).
-    global _IN_RUN_DISTRIBUTED
-    _IN_RUN_DISTRIBUTED = True
-    os.environ.clear()
-    os.environ.update(env)
-    # torch read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it: follow the launcher's now
-    # (a forkserver started under DETAIL kept wrapping every later run's groups; DDP then crashed).
-    dist.set_debug_level_from_env()
-    if env.get(testing.RECORD_ENV):
-        testing.start_recording()  # a grading run: this rank's checks go back with its result (distlab/verdict.py)
-    sandbox.enter_rank(store_path, doctor_path)  # a graded run: the audit hook is in before learner code loads
-    if alive is not None:
-        _drop_forkserver_alive_fd()
-        _die_with_launcher(alive, env[RUN_MARKER_ENV].rsplit(":", 1)[-1])
-    if doctor_path:
-        # The doctor reads the last 64 ops; a dump of torch's default 2000 entries takes ~25 ms.
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "256")
-        doctor.install(rank, doctor_path)
-    loopback = loopback_interface()
-    if loopback and "GLOO_SOCKET_IFNAME" not in env:
-        os.environ["GLOO_SOCKET_IFNAME"] = loopback  # local worlds talk over loopback only
-    # world_size processes share the cores: one intra-op pool each would oversubscribe.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    message: tuple
-    try:
-        if "nccl" in backend:  # "nccl" or a device map such as "cpu:gloo,cuda:nccl": one GPU per rank
-            torch.cuda.set_device(rank)
-        store = dist.FileStore(store_path, world_size)
-        try:
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=pg_timeout_s))
-        except Exception as exc:  # before any of the caller's code ran: see run_distributed's retry
-            raise InitError(f"process group initialisation failed: {exc}") from exc
-        p2p.enable_size_check()  # a message shorter than its receive buffer raises (DISTLAB_P2P_SIZE_CHECK=0: off)
-        trace.start_rank(rank, world_size)  # DISTLAB_TRACE=DIR: this rank's communication over time (distlab/trace.py)
-        result = fn(rank, world_size, *args, **kwargs)
-        p2p.flush_size_checks()  # headers still in flight (CUDA's deferred check) are read before "ok"
-        message = ("ok", result, testing.take_records() if testing.recording() else None)
-    except BaseException as exc:  # reported to the parent, never swallowed
-        message = ("error", type(exc).__module__, type(exc).__qualname__, str(exc),
-                   traceback.format_exc(), isinstance(exc, LearnerTODO))
-    trace.finish_rank()  # before the sandbox's check: the ledger's patches of torch.distributed are gone
-    message = sandbox.leave_rank(message)  # a refused action or a patched verdict function fails the rank
-    doctor.write_flight_recorder()  # where this rank stopped, before the launcher reads it
-    try:
-        # Plain pickle, not the Pipe's: torch's multiprocessing pickler would pass tensors
-        # as shared-memory handles, which die with this process before the parent reads them.
-        payload = pickle.dumps(message)
-    except Exception as exc:  # e.g. an unpicklable result
-        payload = pickle.dumps(("error", "builtins", "RuntimeError", f"could not send the result back: {exc}",
-                                traceback.format_exc(), False))
-    # Helpers this rank started (it is their subreaper) end before the result goes out: once the
-    # launcher has every result it terminates the ranks, and their helpers would be orphaned.
-    for pid in _descendants(os.getpid()):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    try:
-        conn.send_bytes(payload)
-    finally:
-        conn.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 class RankError(RuntimeError):
     """A rank failed with an exception whose type could not be rebuilt in the parent."""
 
 
-_BENCH_FRAMES = tuple(f"{os.sep}distlab{os.sep}{name}" for name in ("spawn.py", "procs.py", "testing.py"))
+_BENCH_FRAMES = tuple(f"{os.sep}distlab{os.sep}{name}" for name in ("spawn.py", "rank.py", "procs.py", "testing.py"))
 
 
 def _learner_frames(tb: str, qualname: str, msg: str) -> str:
@@ -249,10 +150,6 @@ def _rebuild(rank: int, module: str, qualname: str, msg: str, tb: str, is_todo: 
 _SECONDARY = ("connection", "closed", "reset", "broken pipe", "timed out", "timeout", "peer")
 
 
-class InitError(RuntimeError):
-    """A rank could not join the process group (gloo's mesh set-up), before the caller's code ran."""
-
-
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
     try:
         return _run_distributed_once(fn, world_size, *args, **kwargs)
@@ -261,7 +158,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, **kwarg
         # made and torn down many times a second, gloo's mesh set-up on loopback was seen to
         # fail once in a few hundred worlds ("connectFullMesh ... Connection closed by peer").
         # Nothing of the caller's has run, so one fresh world (new store, new ports) is safe.
-        if "distlab.spawn.InitError" not in str(exc):
+        if f"{InitError.__module__}.InitError" not in str(exc):
             raise
         return _run_distributed_once(fn, world_size, *args, **kwargs)
 
@@ -316,9 +213,9 @@ def _run_distributed_once(fn: Callable[..., Any], world_size: int, *args: Any, b
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
             alive_r, alive_w = ctx.Pipe(duplex=False)  # we never write: the rank sees EOF when we are gone
-            p = ctx.Process(target=_child, name=f"rank{rank}", daemon=True,
+            p = ctx.Process(target=child, name=f"rank{rank}", daemon=True,
                             args=(fn, rank, world_size, args, kwargs, backend, store_path,
-                                  pg_timeout_s, env, writer, alive_r, doctor_paths[rank]))
+                                  pg_timeout_s, env, writer, alive_r, doctor_paths[rank], hooks.rank_hooks()))
             p.start()
             writer.close()
             alive_r.close()

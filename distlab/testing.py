@@ -61,7 +61,7 @@ def translate_size_mismatch(text: str, rank: int | None = None, step: int | str 
 
 
 # --------------------------------------------------------------------------- checks as records
-# In an instructor's grading run (distlab/verdict.py) the comparisons below are also recorded: the
+# In an instructor's grading run (distlab/grading/verdict.py) the comparisons below are also recorded: the
 # rank (or the test's own process) sends its records back with its result, and the verdict is the
 # pytest process's, which never ran learner code: it compares each recorded actual value with the
 # expected value of the same check in a run of the same test on the reference.
@@ -145,7 +145,7 @@ def _record_value(kind: str, what: str, actual, expected, baseline: bool) -> Non
 def assert_equal(actual, expected, what: str, *, baseline: bool = True) -> None:
     """``actual == expected`` for counts, byte totals, shapes and other plain values (ints, floats, bools,
     strings, tuples and lists of them), with ``what`` as the message; recorded like the tensor checks, so
-    a grading run compares the count in pytest's process (distlab/verdict.py)."""
+    a grading run compares the count in pytest's process (distlab/grading/verdict.py)."""
     _record_value("equal", what, actual, expected, baseline)
     if actual != expected:
         raise AssertionError(what)

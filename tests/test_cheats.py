@@ -108,7 +108,7 @@ def test_every_cheat_is_graded_in_a_round():
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
     """The autograder bundle, unpacked: the instructor's checkout as Gradescope holds it."""
-    from distlab.grade import autograder_zip
+    from distlab.grading.grade import autograder_zip
 
     where = tmp_path_factory.mktemp("autograder")
     with zipfile.ZipFile(autograder_zip(where / "autograder.zip")) as z:
@@ -293,7 +293,7 @@ def _worker_reads_after_drop(rank, world_size, locked_file):
 
     import torch.distributed as dist
 
-    from distlab import sandbox
+    from distlab.grading import sandbox
 
     sandbox.drop_privileges()  # what the loader does before a template runs in a graded rank
     try:
@@ -308,7 +308,8 @@ def _worker_reads_after_drop(rank, world_size, locked_file):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the root path needs root, as Gradescope runs the grader")
 def test_a_graded_rank_started_as_root_cannot_read_root_only_files(tmp_path, monkeypatch):
-    from distlab import loader, sandbox
+    from distlab import loader
+    from distlab.grading import sandbox
     from distlab.spawn import run_distributed
 
     locked = tmp_path / "reference.py"
@@ -326,7 +327,7 @@ def test_a_graded_rank_started_as_root_cannot_read_root_only_files(tmp_path, mon
 @pytest.mark.skipif(os.geteuid() != 0, reason="the root path needs root, as Gradescope runs the grader")
 def test_a_locked_down_bundle_grades_honest_work_and_refuses_a_cheat(tmp_path):
     """setup.sh's lockdown on the unpacked bundle (user nobody), then run_autograder as root."""
-    from distlab.grade import autograder_zip
+    from distlab.grading.grade import autograder_zip
 
     with zipfile.ZipFile(autograder_zip(tmp_path / "autograder.zip")) as z:
         z.extractall(tmp_path / "source")
@@ -371,7 +372,7 @@ def _finished_text(solution: Path) -> str:
 def test_untouched_and_finished_templates_pass_the_rules(tmp_path):
     """The rules refuse cheats, not lessons: every template as generated, and with every region filled in
     from its solution, passes them."""
-    from distlab import isolation
+    from distlab.grading import isolation
     from distlab.templates import sources, template_path
 
     problems = []
@@ -388,7 +389,7 @@ def test_no_template_may_import_the_bench_copy_of_its_own_exercise(tmp_path):
     module also defines is in isolation.BENCH_COPIES, and each listed copy is refused to its template."""
     import ast
 
-    from distlab import isolation
+    from distlab.grading import isolation
     from distlab.templates import sources
 
     bench = {}
@@ -440,7 +441,7 @@ def test_pytest_process_never_held_it():
 
 
 def test_graded_tests_load_templates_outside_pytests_process(tmp_path):
-    """The verdict comes from a process that never ran learner code (distlab/verdict.py)."""
+    """The verdict comes from a process that never ran learner code (distlab/grading/verdict.py)."""
     (tmp_path / "copy" / "phase1_data_parallel").mkdir(parents=True)
     finished("phase1_data_parallel", "data_loader", tmp_path / "copy" / "phase1_data_parallel")
     tests = tmp_path / "test_where.py"
@@ -461,9 +462,9 @@ def _check(site, actual, expected, *, baseline=True, rank=0, tol=0.0):
 
 
 def test_the_parent_compares_reported_values_with_the_reference_runs_baseline():
-    """distlab.verdict.compare: the grader's process checks what the ranks reported, against the expected
+    """distlab.grading.verdict.compare: the grader's process checks what the ranks reported, against the expected
     values of the same test run on the reference (where no learner code ran)."""
-    from distlab.verdict import compare
+    from distlab.grading.verdict import compare
 
     reference = [_check("t.py:1", [1.0, 2.0], [1.0, 2.0]), _check("t.py:2", [3.0], [3.0], baseline=False)]
     compare([_check("t.py:1", [1.0, 2.0], [1.0, 2.0]), _check("t.py:2", [5.0], [5.0], baseline=False)], reference)
@@ -499,7 +500,7 @@ class _RunsCodeWhenUnpickled:
 
 def test_the_parent_reads_a_childs_outcome_as_values_and_tensors_only():
     """The graded test's child ran learner code: unpickling its message could run code in pytest's process."""
-    from distlab import verdict
+    from distlab.grading import verdict
 
     assert verdict._loads(verdict._dumps(("passed", [_check("t.py:1", [1.0], [1.0])])))[1][0]["site"] == "t.py:1"
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
@@ -509,7 +510,7 @@ def test_the_parent_reads_a_childs_outcome_as_values_and_tensors_only():
 def test_a_cache_entry_that_does_not_read_is_run_again_not_an_error(tmp_path, monkeypatch):
     import types
 
-    from distlab import verdict
+    from distlab.grading import verdict
 
     monkeypatch.setenv(verdict.CACHE_ENV, str(tmp_path / "cache"))
     test_file = tmp_path / "test_x.py"
@@ -546,7 +547,7 @@ def test_a_rank_that_forges_its_result_pipe_fails_when_checks_are_recorded(monke
 
 
 def test_templates_may_not_reach_os_through_another_module(tmp_path):
-    from distlab.isolation import lint
+    from distlab.grading.isolation import lint
 
     cheat = tmp_path / "t.py"
     cheat.write_text("import torch\nw = torch.serialization.os.write\nx = getattr(torch.serialization, 'os')\n")

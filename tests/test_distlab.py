@@ -238,7 +238,7 @@ def test_grade_scores_a_student_copy_per_exercise(tmp_path):
     shutil.copy(REPO / "solutions/phase1_data_parallel/data_loader.py",
                 student / "phase1_data_parallel/template_data_loader.py")
     out = tmp_path / "results.json"
-    proc = subprocess.run([sys.executable, "-m", "distlab.grade", f"--student-dir={student}", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "distlab.grading.grade", f"--student-dir={student}", "--out", str(out),
                            "--tests", "tests/test_phase1.py", "--", "-k", "sampler or 1-1.6-tied_frozen-sgd or 2-allreduce_allgather"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

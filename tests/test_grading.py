@@ -178,7 +178,7 @@ def test_run_autograder_grades_a_submission_of_template_files_only(tmp_path):
 
 
 def test_a_misnamed_submission_is_refused_by_name(tmp_path):
-    from distlab.grade import student_copy_from_submission
+    from distlab.grading.grade import student_copy_from_submission
 
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "template_colectives.py").write_text("")
@@ -189,7 +189,7 @@ def test_a_misnamed_submission_is_refused_by_name(tmp_path):
 def test_autograder_zip_has_its_scripts_at_the_top(tmp_path):
     import zipfile
 
-    from distlab.grade import autograder_zip
+    from distlab.grading.grade import autograder_zip
 
     with zipfile.ZipFile(autograder_zip(tmp_path / "autograder.zip")) as z:
         names = set(z.namelist())
@@ -221,11 +221,11 @@ def test_score_of_an_exercise_with_tests_left_out_is_marked_partial():
 
 
 def test_every_graded_test_lives_in_a_file_the_graders_run():
-    """distlab.grade (Gradescope) and distlab.bugs run the phase test files only: a test marked with an
+    """distlab.grading.grade (Gradescope) and distlab.bugs run the phase test files only: a test marked with an
     exercise anywhere else would count in a learner's pytest and never on Gradescope."""
     import ast
 
-    from distlab.grade import phase_test_files
+    from distlab.grading.grade import phase_test_files
 
     graded_files = {Path(f).name for f in phase_test_files()}
     for path in sorted((REPO / "tests").glob("test_*.py")):
@@ -243,7 +243,8 @@ def test_recorded_values_reach_the_grader_as_plain_data():
     import numpy as np
     import torch
 
-    from distlab import testing, verdict
+    from distlab import testing
+    from distlab.grading import verdict
 
     pair = collections.namedtuple("pair", "a b")
     cases = [([np.int64(3), np.float32(0.5)], [3, 0.5]), (pair(1, 2), (1, 2)),

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distlab import grade
+from distlab.grading import grade
 from distlab.procs import _alive, _descendants, _marked, kill_process_tree, marked_environ
 
 REPO = Path(__file__).resolve().parent.parent

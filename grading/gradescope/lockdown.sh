@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The reference out of the submission's reach (run by setup.sh as root, once, on the unpacked bundle):
-# solutions/, tests/, grading/ and .distlab/ (the reference run's checks, distlab/verdict.py) become
+# solutions/, tests/, grading/ and .distlab/ (the reference run's checks, distlab/grading/verdict.py) become
 # readable by root only; everything a rank needs to run the
 # learner's code (distlab/, the phase folders with the untouched templates, the venv) stays readable.
-# Ranks of a graded run then drop to RANK_USER before they load a template (distlab/sandbox.py).
+# Ranks of a graded run then drop to RANK_USER before they load a template (distlab/grading/sandbox.py).
 #   grading/gradescope/lockdown.sh SOURCE_DIR [RANK_USER]
 set -euo pipefail
 SOURCE=${1:?usage: lockdown.sh SOURCE_DIR [RANK_USER]}

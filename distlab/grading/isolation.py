@@ -2,7 +2,8 @@
 
 A template is graded by running it beside the tests, so a template that reaches for the
 reference solutions, the bench's given copy of its own exercise, or the tests' comparisons
-could score without implementing anything. Two checks here, called by distlab/loader.py:
+could score without implementing anything. Two checks here, called by distlab/loader.py through
+the template checks distlab/grading/attach.py gives it:
 
 1. :func:`lint` reads the template's source before a line of it runs. A template may import
    what its untouched version imports (rendered from the solution by distlab/templates.py)
@@ -14,7 +15,7 @@ could score without implementing anything. Two checks here, called by distlab/lo
    computed or dunder name, dunder attributes such as ``__code__``/``__globals__``/``__dict__``,
    frame attributes) and assignments to what it imported (``torch.equal = ...``). A hatch the
    untouched template itself uses (the monitoring template writes files with ``open``) stays
-   allowed in that template only; the rank's audit hook (distlab/sandbox.py) still applies.
+   allowed in that template only; the rank's audit hook (distlab/grading/sandbox.py) still applies.
 2. :class:`BenchGuard` remembers the functions the verdicts depend on (torch's comparisons and
    collectives, distlab.testing's helpers, the test modules' functions) and, after a template
    was imported or a rank ran, puts back whatever changed and names it.
@@ -27,7 +28,7 @@ import sys
 from pathlib import Path
 from types import FunctionType, ModuleType
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # Imports any template may use: computation and plain data, nothing that reaches files,
 # processes, the interpreter's internals or other modules' globals.
@@ -52,7 +53,7 @@ RIGGING_DUNDERS = {"__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "
 # Attributes that lead out of the template: frames, and the modules other modules hold.
 # A module another module imported is one attribute away (``torch.serialization.os``): the ones that
 # reach file descriptors, processes and the interpreter are refused by name too (``os.write`` into the
-# rank's result pipe and ``os._exit`` are no audit events, distlab/sandbox.py cannot see them).
+# rank's result pipe and ``os._exit`` are no audit events, distlab/grading/sandbox.py cannot see them).
 HATCH_ATTRS = {"f_back", "f_globals", "f_locals", "f_builtins", "f_code", "gi_frame", "cr_frame", "ag_frame",
                "tb_frame", "tb_next", "sys", "builtins", "importlib", "gc", "inspect", "ctypes", "runpy",
                "subprocess", "loader", "modules", "solutions", "os", "posix", "_exit", "pickle", "_pickle", "io",

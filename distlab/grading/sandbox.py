@@ -1,8 +1,8 @@
 """A graded rank's guard: what the learner's code may not do while it runs.
 
-The static rules (distlab/isolation.py) read a template before it runs; this is the layer
-behind them, in every rank of a graded run (``--impl templates``), installed by the launcher
-at rank start (distlab/spawn.py ``_child``), before the test module loads the template:
+The static rules (distlab/grading/isolation.py) read a template before it runs; this is the layer
+behind them, in every rank of a graded run (``--impl templates``), installed at rank start by the
+rank hook (distlab/grading/attach.py, run by distlab/rank.py), before the test module loads the template:
 
 * a Python audit hook (PEP 578, ``sys.addaudithook``: it cannot be removed) refuses, while the
   learner's code is on the stack, to open the reference solutions, the tests or the grading
@@ -10,7 +10,7 @@ at rank start (distlab/spawn.py ``_child``), before the test module loads the te
   to reach frames or the garbage collector, to patch a function's code or a class, to load C
   libraries, to start processes or to change the environment (``DISTLAB_IMPL=solutions``);
 * the verdict functions (torch's comparisons, distlab.testing, the test module) are checked
-  when the rank's work is done (:class:`distlab.isolation.BenchGuard`): a patch fails the rank.
+  when the rank's work is done (:class:`distlab.grading.isolation.BenchGuard`): a patch fails the rank.
 
 A refusal raises inside the learner's code and is remembered: the rank fails with it even if
 the learner's code catches the exception.
@@ -23,7 +23,10 @@ import sys
 import threading
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from distlab.grading.isolation import BenchGuard
+from distlab.loader import IMPL_ENV, STUDENT_DIR_ENV
+
+REPO = Path(__file__).resolve().parents[2]
 _PROTECTED = tuple(str(REPO / d) + os.sep for d in ("solutions", "tests", "grading"))
 # Events refused whenever learner code is anywhere on the stack (the bench it calls included).
 _ANYWHERE = ("ctypes.", "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
@@ -136,8 +139,6 @@ def _hook(event: str, args: tuple) -> None:
 
 def graded() -> bool:
     """True in a run that grades templates (``--impl templates``)."""
-    from distlab.loader import IMPL_ENV
-
     return os.environ.get(IMPL_ENV) == "templates"
 
 
@@ -145,8 +146,6 @@ def install_hook() -> None:
     """The audit hook, in this process for good (a graded rank, or the pytest process of a graded run,
     where single-process tests load templates)."""
     global _learner_roots
-    from distlab.loader import STUDENT_DIR_ENV
-
     if _learner_roots:
         return
     roots = [str(REPO) + os.sep]
@@ -167,8 +166,6 @@ def enter_rank(*scratch: str) -> None:
     global _guard, _scratch
     if not graded():
         return
-    from distlab.isolation import BenchGuard
-
     _scratch = tuple(p for p in scratch if p)
     _guard = BenchGuard()
     install_hook()
@@ -179,7 +176,7 @@ def drop_privileges() -> None:
 
     grading/gradescope/lockdown.sh made the reference, the tests and the grading files readable by
     root only; the reference modules a test needs are already in memory (the forkserver preloads them,
-    see distlab/pytest_plugin.py), so only the learner loses them. The run's scratch files (the
+    see distlab/grading/plugin.py), so only the learner loses them. The run's scratch files (the
     process group's FileStore, the doctor's records) are opened to the user first.
     """
     user = os.environ.get(RANK_USER_ENV)

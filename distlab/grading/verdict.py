@@ -5,7 +5,8 @@ report what they checked; pytest's process, which never ran learner code, compar
    so tmp_path and monkeypatch work as usual). Tests whose ranks load the template keep it out of
    pytest's process already (distlab/spawn.py); single-process tests (the sampler, the checkpoint file
    format, ...) would load it into pytest itself, where a patch would outlive the test. ``load()`` in
-   pytest's process refuses a template (distlab/loader.py).
+   pytest's process refuses a template (distlab/loader.py: this process's role is ``GRADER``,
+   distlab/role.py).
 2. Every comparison the test makes through distlab.testing (``assert_tensors_close`` and the helpers on
    it, ``assert_ranks_identical``; counts and byte totals through ``assert_equal``/``assert_at_most``) is
    recorded where it is made, in a rank or in the child: the actual value, the expected value, the
@@ -37,10 +38,9 @@ from pathlib import Path
 
 import pytest
 
+from distlab import role, testing
+from distlab.loader import IMPL_ENV, STUDENT_DIR_ENV
 from distlab.todo import LearnerTODO
-
-IN_CHILD = False  # True in a test's child: the loader may load templates here
-PARENT = False  # True in pytest's process of a graded run: the loader refuses templates there
 
 
 def _die_when_parent_does(fd: int) -> None:
@@ -49,11 +49,7 @@ def _die_when_parent_does(fd: int) -> None:
 
 
 def _child_body(item, impl: str | None = None) -> tuple:
-    global IN_CHILD
-    IN_CHILD = True
-    from distlab import testing
-    from distlab.loader import IMPL_ENV, STUDENT_DIR_ENV
-
+    role.become(role.TEST_CHILD)  # the loader may load templates here
     if impl is not None:  # the reference run: this process and its ranks load the reference
         os.environ[IMPL_ENV] = impl
         os.environ.pop(STUDENT_DIR_ENV, None)
@@ -116,8 +112,8 @@ def reference_checks(item) -> list[dict]:
 
 # The reference's checks depend on the tests, the reference and the bench only, not on the submission:
 # kept per test under the instructor's checkout (root's alone once grading/gradescope/lockdown.sh ran;
-# a learner's code may not write there, distlab/sandbox.py), keyed by a digest of those files.
-REPO = Path(__file__).resolve().parent.parent
+# a learner's code may not write there, distlab/grading/sandbox.py), keyed by a digest of those files.
+REPO = Path(__file__).resolve().parents[2]
 CACHE_ENV = "DISTLAB_REFERENCE_CHECKS"  # another folder for it (default: .distlab/reference-checks)
 
 
@@ -174,8 +170,6 @@ def compare(graded: list[dict], reference: list[dict]) -> None:
     """
     import torch
 
-    from distlab.testing import diagnose, max_abs_diff
-
     def where(r: dict) -> str:
         return f"{r['site']}" + (f" in rank {r['rank']}" if r["rank"] is not None else "")
 
@@ -206,8 +200,8 @@ def compare(graded: list[dict], reference: list[dict]) -> None:
         try:
             torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
         except AssertionError:
-            raise AssertionError(f"{r['what']} ({where(r)}): max abs diff {max_abs_diff(actual, expected):.3e} "
-                                 f"(rtol={rtol}, atol={atol}){diagnose(actual, expected)}, found by the grader's "
+            raise AssertionError(f"{r['what']} ({where(r)}): max abs diff {testing.max_abs_diff(actual, expected):.3e} "
+                                 f"(rtol={rtol}, atol={atol}){testing.diagnose(actual, expected)}, found by the grader's "
                                  "process although the rank reported a pass") from None
 
 

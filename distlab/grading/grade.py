@@ -1,11 +1,11 @@
 """Grade a student's copy: run the phase tests against it, write Gradescope's results.json.
 
-    python -m distlab.grade --student-dir=~/submissions/alice --out results.json
-    python -m distlab.grade --submission uploads/ --out results.json   # template files only
-    python -m distlab.grade                      # this checkout's templates
-    python -m distlab.grade --tests tests/test_phase1.py -- -x   # one phase, extra pytest args
-    python -m distlab.grade --autograder-zip autograder.zip      # Gradescope's autograder bundle
-    python -m distlab.grade --submission up/ --exercises "1.4-1.5 distributed sampler"  # some exercises only
+    python -m distlab.grading.grade --student-dir=~/submissions/alice --out results.json
+    python -m distlab.grading.grade --submission uploads/ --out results.json   # template files only
+    python -m distlab.grading.grade                      # this checkout's templates
+    python -m distlab.grading.grade --tests tests/test_phase1.py -- -x   # one phase, extra pytest args
+    python -m distlab.grading.grade --autograder-zip autograder.zip      # Gradescope's autograder bundle
+    python -m distlab.grading.grade --submission up/ --exercises "1.4-1.5 distributed sampler"  # some exercises only
 
 The tests come from this (the instructor's) checkout; the code under test from
 ``--student-dir`` (its ``phaseN_*/template_*.py`` by default, ``--impl solutions``
@@ -32,7 +32,9 @@ import uuid
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from distlab import bugs
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def phase_test_files() -> list[str]:
@@ -68,7 +70,7 @@ def run_and_reap(cmd: list[str], timeout_s: float) -> int | str:
     through /proc and strays through an environment marker every process of the run inherits.
     Returns the exit code, or "killed after N s".
     """
-    from distlab.procs import kill_process_tree, marked_environ
+    from distlab.procs import kill_process_tree, marked_environ  # (torch.distributed, through the doctor)
 
     marker = uuid.uuid4().hex
     proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, env=marked_environ(marker))
@@ -151,8 +153,6 @@ def main(argv: list[str] | None = None) -> int:
                         help='grade only these exercises (weights.toml names, e.g. "1.4-1.5 distributed sampler")')
     args = parser.parse_args(argv)
     if args.exercises:
-        from distlab import bugs
-
         os.environ[bugs.EXERCISES_ENV] = json.dumps(args.exercises)  # read by the -p distlab.bugs plugin
         extra = ["-p", "distlab.bugs", *extra]
         args.tests = args.tests or bugs.exercise_test_files(args.exercises)

@@ -1,0 +1,33 @@
+"""Grading plugged into the bench: the loader's template checks and the launcher's rank hook.
+
+The bench offers the places (distlab/hooks.py) and never imports grading; :func:`attach` fills them in,
+in pytest's process (distlab/grading/plugin.py) and, through the rank hook, in every rank it starts.
+"""
+from __future__ import annotations
+
+from distlab import hooks, role
+from distlab.grading import isolation, sandbox
+
+
+def _guard():
+    """Around a template's import: the bench's verdict functions remembered, and, in a rank graded as root,
+    the unprivileged user taken first."""
+    bench = isolation.BenchGuard()
+    if role.is_rank():  # not a test's child (verdict.py): it may start ranks, which it must be able to end
+        sandbox.drop_privileges()  # a rank graded as root: the learner's code runs as the unprivileged user
+    return bench.restore
+
+
+def _enter_rank(*scratch: str) -> None:
+    attach()  # the rank's own loads are checked too
+    sandbox.enter_rank(*scratch)  # a graded run: the audit hook is in before learner code loads
+
+
+TEMPLATE_CHECKS = hooks.TemplateChecks(lint=isolation.lint, guard=_guard)
+RANK_HOOK = hooks.RankHook(enter=_enter_rank, leave=sandbox.leave_rank)  # leave: a refusal fails the rank
+
+
+def attach() -> None:
+    """In this process: every template ``load()`` imports is checked; every rank started gets the rank hook."""
+    hooks.check_templates(TEMPLATE_CHECKS)
+    hooks.add_rank_hook(RANK_HOOK)
