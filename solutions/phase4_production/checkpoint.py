@@ -18,11 +18,9 @@ make a checkpoint trustworthy:
 And *complete*: model, optimizer, LR scheduler, the sampler's position, the step, and every
 random generator a step draws from (torch CPU and CUDA, numpy, Python's ``random``).
 
-On disk: ``ckpt/step_00000010/rank0.pt rank1.pt ... meta.pt``, staged as ``step_00000010.tmp/``
-and renamed once every rank's file is in. ``restore`` resumes from the newest checkpoint that
-verifies and *loads*. A run holds its directory, every rank file carries the run's id and step
-(two runs' files never pass for one checkpoint), and pruning counts and deletes only this run's
-own good checkpoints (``distlab/lessons/resume.py``).
+On disk: ``ckpt/step_00000010/rank0.pt rank1.pt ... meta.pt``, staged as ``step_00000010.tmp/`` and
+renamed once every rank's file is in. ``restore`` resumes from the newest checkpoint that verifies and
+*loads*; a run holds its directory, stamps its rank files and prunes only its own (``distlab/lessons/resume.py``).
 
 Cost: two all-reduces of W + 2 integers per save; disk: each rank's state. See guidelines.md#crash-safe-checkpoints.
 """
@@ -219,11 +217,10 @@ class CheckpointManager(resume.RunDirectory):
         directory: where the ``step_XXXXXXXX/`` directories live (shared by all ranks).
         keep: how many of this run's complete checkpoints to keep (its older ones are deleted after a save).
         group: the ranks that save together (None = WORLD).
-        config: plain values that a resume must match (model, strategy, optimizer, ...): kept in every
-            ``meta.pt``; ``restore`` refuses a newest checkpoint written with other values, naming them.
+        config: what a resume must match (model, strategy, ...), kept in meta.pt; other values are refused.
 
-    The run holds the directory from its ``restore`` or first ``save`` until ``close()`` (or its exit);
-    ``with CheckpointManager(...) as manager:`` closes it too (see ``distlab.lessons.resume.RunDirectory``).
+    The run holds the directory from its ``restore`` or first ``save`` until ``close()``, its exit or the
+    end of ``with CheckpointManager(...) as manager:`` (``distlab.lessons.resume.RunDirectory``).
     """
 
     def __init__(self, directory: str | Path, keep: int = 3, group: dist.ProcessGroup | None = None,
@@ -296,8 +293,7 @@ class CheckpointManager(resume.RunDirectory):
         return next(iter(self.checkpoints()), None)
 
     def restore(self, apply: Callable[[Checkpoint], Any], group: dist.ProcessGroup | None = None) -> Checkpoint | None:
-        """Resume from the newest good checkpoint that ``apply`` loads (else the one before, with a warning),
-        None: the directory holds none; carries on its lineage. ``resume.ResumeRefused`` when the newest was
-        written with another ``config`` or none loads. Collective: every rank of ``group`` (``distlab.lessons.resume``)."""
+        """Resume from the newest good checkpoint that ``apply`` loads (else the one before, with a warning); None:
+        there is none. ``ResumeRefused``: another ``config``, or none loads. Collective (``distlab.lessons.resume``)."""
         self._hold()
         return self._adopt(resume.restore(self, apply, group))
