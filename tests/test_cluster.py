@@ -20,6 +20,7 @@ import inspect
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from cluster import ENABLE_ENV
 from distlab.compose import Cluster, EngineUnavailable, NodeFailed, docker, python_mounts, start_engine
 from distlab.launch import init_from_env
 from distlab.procs import die_with_parent
+from python_env import PTH_NAME, pth_text
 
 REPO = Path(__file__).resolve().parents[1]
 # Cold: ~40 s of debootstrap and ~15 s of import for the base image, then the cluster; a cached base skips both.
@@ -191,11 +193,15 @@ STARTUP_STUBS = {
     # the venv sees this machine's installed packages (mounted): pip finds every requirement but `-e .` there.
     # Its bundled setuptools (65, no bdist_wheel) goes: a node's pip builds `-e .` with a fresh setuptools
     # from PyPI (build isolation); offline, with build isolation off, the mounted one (>= 70) stands in.
+    # --system-site-packages sees the base interpreter's packages: the .pth adds this environment's (a venv's).
     "python3": 'if [[ "$1 $2" == "-m venv" ]]; then python -m venv --system-site-packages "$3" && '
-               'rm -rf "$3"/lib/python3*/site-packages/setuptools*; exit; fi; exec python "$@"',
+               'rm -rf "$3"/lib/python3*/site-packages/setuptools* && '
+               f'for d in "$3"/lib/python3*/site-packages; do echo {shlex.quote(pth_text())} > "$d/{PTH_NAME}"; done; '
+               'exit; fi; exec python "$@"',
 }
 
 
+@pytest.mark.venv  # builds a venv on the node that must see this environment's packages
 def test_terraform_startup_script_installs_and_starts_a_node(engine, image, tmp_path):
     """The rendered user data of a one-node cluster, its install branch for real (pip, venv) in a container.
 

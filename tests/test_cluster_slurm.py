@@ -18,13 +18,13 @@ import ipaddress
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from cluster import ENABLE_ENV
 from cluster.slurm import SlurmUnavailable, free_ports, processes_with_marker, start
+from python_env import make_venv
 
 REPO = Path(__file__).resolve().parent.parent
 SBATCH = REPO / "solutions" / "phase4_production" / "deployment" / "slurm.sbatch"
@@ -36,14 +36,7 @@ BARE_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 # (2 s to schedule, torch imported by 2 agents and 4 ranks on 2 cores), but `sbatch --wait` polls ever more
 # slowly and returned at ~42 s; the test polls the job itself each second, and follows its progress (a loaded
 # host takes minutes), so the only fixed bounds are hard caps: the job's --time and the outer timeout here.
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(3600)]
-
-
-def _venv(path: Path) -> Path:
-    """The course's environment as a user makes it: a venv (this interpreter's packages seen, torch included)."""
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(path)],
-                   check=True, capture_output=True, timeout=60)
-    return path
+pytestmark = [pytest.mark.cluster, pytest.mark.venv, pytest.mark.timeout(3600)]
 
 
 def _head_addresses(slurm, node: str) -> list[str]:
@@ -59,7 +52,7 @@ def test_slurm_sbatch_runs_comm_on_two_nodes_at_the_head_nodes_address(tmp_path)
         pytest.skip(f"the cluster tier starts SLURM daemons: run it with {ENABLE_ENV}=1")
     probe = subprocess.run(["env", f"PATH={BARE_PATH}", "python", "-c", "import torch"], capture_output=True)
     assert probe.returncode != 0, f"{BARE_PATH} has a python with torch: the venv would not be needed"
-    venv = _venv(tmp_path / "venv")
+    venv = make_venv(tmp_path / "venv")  # the course's environment: this interpreter's packages, torch included
     try:
         slurm = start(tmp_path / "slurm", nodes=NODES, cpus=RANKS_PER_NODE)
     except SlurmUnavailable as exc:
