@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from distlab.procs import stop
+
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yaml"
 OFFLINE_TAG = "distlab:cpu-offline"  # not the compose file's distlab:cpu: this one needs the mounted Python
@@ -126,13 +128,7 @@ def _start_dockerd(log: Path, extra: list[str]) -> subprocess.Popen:
         if _engine_answers():
             return proc
         time.sleep(1)  # polling the engine's socket until it answers
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    stop(proc, grace_s=30)
     tail = log.read_text(errors="replace").strip().splitlines()[-3:]
     raise EngineUnavailable(f"dockerd {' '.join(extra)} did not start: {' | '.join(tail)}")
 

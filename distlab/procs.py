@@ -11,6 +11,7 @@ import ctypes
 import os
 import select
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -147,3 +148,14 @@ def tie_to(pid: int | str | None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="distlab-tie", daemon=True).start()
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 15) -> None:
+    """End ``proc`` (a daemon this process started): SIGTERM, ``grace_s`` to exit on its own, then SIGKILL."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distlab.procs import die_with_parent
+from distlab.procs import die_with_parent, stop
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 # JobStates after which a job does no more (scontrol's names; COMPLETING still runs its epilog)
@@ -134,14 +134,7 @@ class Slurm:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.run("scancel", "--full", "--user", str(os.getuid()), timeout=15)
         for name in reversed(list(self.procs)):  # slurmd's, slurmctld, then munged (the others need it to the end)
-            proc = self.procs[name]
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=15)
+            stop(self.procs[name], grace_s=15)
         deadline = time.monotonic() + 10  # a slurmstepd ends on its own once its task has ended: give it a moment
         while (left := processes_with_marker(self.root)) and time.monotonic() < deadline:
             time.sleep(0.2)
