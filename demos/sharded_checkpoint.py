@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
                 seconds = time.perf_counter() - start
                 got, ref = _full(dict(zip(("model", "optim"), get_state_dict(model, opt))), lesson), \
                     torch.load(root / "reference.pt", weights_only=True, map_location=env.device)
-                exact = all(torch.equal(got[k], v) for k, v in ref.items() if torch.is_tensor(v))
+                exact = all(torch.equal(got[k].to(v.device), v) for k, v in ref.items() if torch.is_tensor(v))
                 rows.append({"format": fmt, "saved at W": state["world_size"],
                              "loaded at W": env.world_size, "bit-exact": exact, "loader": state["loader"],
                              "load s": f"{seconds:.3f}"})

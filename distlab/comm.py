@@ -61,6 +61,12 @@ def check_reduce_op(op: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"op 'avg' needs a floating-point tensor, got {tensor.dtype}")
 
 
+# The op names under which the ledger records ``all_gather_single`` / ``reduce_scatter_single`` below on this
+# torch: its own *_single (torch >= 2.14), else the older name they call (the GPU image's torch 2.11).
+ALL_GATHER_SINGLE = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+REDUCE_SCATTER_SINGLE = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
 def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
                           group: dist.ProcessGroup | None = None, async_op: bool = False):
     """``dist.reduce_scatter_single`` (torch >= 2.14) or ``dist.reduce_scatter_tensor`` (older).

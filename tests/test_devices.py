@@ -142,6 +142,8 @@ class DeviceAudit(TorchFunctionMode):
             return None
         if device.type == "cpu":
             return False
+        if device.type == "meta":  # shapes without storage (reading a pickle's metadata): the same on a GPU job
+            return None
         if device.type != self.device.type:
             raise DeviceAuditError(f"{device} named at {_where()}, but env.device is {self.device}")
         return True if device.index is None else self._check_index(device.index)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from distlab import LearnerTODO
-from distlab.comm import CommLedger, all_gather_single, reduce_scatter_single
+from distlab.comm import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE, CommLedger, all_gather_single, reduce_scatter_single
 from distlab.spawn import RankError, run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
@@ -196,8 +196,8 @@ def _worker_ledger(rank, world_size):
     summary = ledger.summary()
     assert summary["all_reduce"] == {"calls": 2, "bytes": 40 + 24}, summary
     assert summary["broadcast"] == {"calls": 1, "bytes": 40}, summary
-    assert summary["all_gather_single"] == {"calls": 1, "bytes": 40}, summary
-    assert summary["reduce_scatter_single"] == {"calls": 1, "bytes": 40}, summary
+    assert summary[ALL_GATHER_SINGLE] == {"calls": 1, "bytes": 40}, summary
+    assert summary[REDUCE_SCATTER_SINGLE] == {"calls": 1, "bytes": 40}, summary
     sent = 40 * (rank == 0) + 16 + 8 * (rank == 0)
     received = 40 * (rank == 1) + 16 + 8 * (rank == 1)
     assert (ledger.sent_bytes(), ledger.received_bytes()) == (sent, received), summary
@@ -230,6 +230,7 @@ def test_load_picks_solution_template_or_student_copy(tmp_path, monkeypatch):
         load("phase1_data_parallel", "trainer")
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(400)  # a nested grading run with its own 300 s deadline
 def test_grade_scores_a_student_copy_per_exercise(tmp_path):
     """A student who finished the sampler (1.4-1.5) and nothing else."""

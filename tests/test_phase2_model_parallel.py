@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distlab import load, p2p
-from distlab.comm import CommLedger
+from distlab.comm import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE, CommLedger
 from distlab.spawn import run_distributed
 from distlab.models import MLP, Block, CausalSelfAttention, GPTConfig, TinyGPT, seeded
 from distlab.testing import assert_at_most, assert_equal, assert_tensors_close, explain_group_errors
@@ -634,8 +634,8 @@ def _worker_sequence_parallel(rank, world_size):
     assert_tensors_close(xl.grad, x.grad.chunk(W, 1)[rank], f"{what} input gradient", **TOL)
     if W > 1:
         shard_bytes = xl.numel() * 8
-        expected = {"all_gather_single": {"calls": 2, "bytes": 2 * shard_bytes},
-                    "reduce_scatter_single": {"calls": 2, "bytes": 2 * W * shard_bytes}}
+        expected = {ALL_GATHER_SINGLE: {"calls": 2, "bytes": 2 * shard_bytes},
+                    REDUCE_SCATTER_SINGLE: {"calls": 2, "bytes": 2 * W * shard_bytes}}
         assert_equal(fwd.summary(), expected, f"{what}: forward moved {fwd.summary()}, expected {expected}")
         replicated = sum(p.numel() * 8 for p in spb.parameters() if getattr(p, "sequence_parallel", False))
         back = bwd.summary()

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distlab import load
-from distlab.comm import CommLedger, all_gather_single
+from distlab.comm import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE, CommLedger, all_gather_single
 from distlab.spawn import run_distributed
 from distlab.models import TiedFrozenModel, ToyMLP, seeded
 from distlab.testing import (assert_at_most, assert_equal, assert_grads_close, assert_models_close,
@@ -377,7 +377,7 @@ def _check_zero(rank, world_size, stage, kind, device="cpu"):
         _check_memory(zo, model, stage, rank, world_size, elem, what)
         if stage == 3:
             psi_pad, units = _padded(zo) * elem, len(zo.units)
-            ag, rs = ledger.summary().get("all_gather_single", {}), ledger.summary().get("reduce_scatter_single", {})
+            ag, rs = ledger.summary().get(ALL_GATHER_SINGLE, {}), ledger.summary().get(REDUCE_SCATTER_SINGLE, {})
             # Forward and backward each gather every unit once; every unit reduce-scatters once.
             # Expected from the wrapper's own units and padding: baseline=False.
             assert_equal(ag, {"calls": 2 * units, "bytes": 2 * psi_pad // world_size}, f"{what}: all-gathers {ag}",

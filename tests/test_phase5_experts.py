@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distlab import load
-from distlab.comm import CommLedger
+from distlab.comm import ALL_GATHER_SINGLE, CommLedger
 from distlab.spawn import run_distributed
 from distlab.testing import assert_equal, assert_tensors_close
 
@@ -181,7 +181,7 @@ def _worker_moe(rank, world_size, device="cpu"):  # tests/test_gpu.py: "cuda" on
         # Bytes: counts all-gather (k*E int64), counts all-to-all (E int64), then the tokens:
         # dispatch sends my kept pairs, combine sends what my experts received; backward swaps.
         row = D * 8
-        expected = [("all_gather_single", K * E * 8), ("all_to_all_single", E * 8),
+        expected = [(ALL_GATHER_SINGLE, K * E * 8), ("all_to_all_single", E * 8),
                     ("all_to_all_single", kept_here * row), ("all_to_all_single", received * row),
                     ("all_to_all_single", kept_here * row), ("all_to_all_single", received * row)]
         got = [(r.op, r.nbytes) for r in ledger.records]

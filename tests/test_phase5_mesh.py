@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from distlab import load
-from distlab.comm import CommLedger
+from distlab.comm import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE, CommLedger
 from distlab.spawn import run_distributed
 from distlab.models import GPTConfig, TinyGPT, seeded
 from distlab.testing import assert_equal, assert_tensors_close, max_abs_diff, shard
@@ -214,8 +214,8 @@ def _worker_zero3_vs_fsdp2(rank, world_size):
         # Both: every unit's parameters gathered twice (forward, backward), its gradient
         # reduce-scattered once; the payload is this rank's 1/W shard, the full gradient.
         for who, ledger in ledgers.items():
-            got = (ledger.calls("all_gather_single"), ledger.bytes("all_gather_single"),
-                   ledger.calls("reduce_scatter_single"), ledger.bytes("reduce_scatter_single"))
+            got = (ledger.calls(ALL_GATHER_SINGLE), ledger.bytes(ALL_GATHER_SINGLE),
+                   ledger.calls(REDUCE_SCATTER_SINGLE), ledger.bytes(REDUCE_SCATTER_SINGLE))
             assert_equal(got, (4, 2 * psi // world_size, 2, psi),
                          f"{what}: {who} moved {ledger.summary()}; expected 4 all-gathers of 2 x {psi // world_size} B "
                          f"in all and 2 reduce-scatters of {psi} B (ZeRO-3: 3 Psi (W-1)/W on the wire)")

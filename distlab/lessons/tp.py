@@ -123,6 +123,7 @@ def load_shards(layer: nn.Module, full: nn.Module, group: dist.ProcessGroup | No
     an untagged one (replicated: LayerNorms, a row layer's bias) the whole tensor.
     """
     params = dict(full.named_parameters())
+    layer.to(next(iter(params.values())).device)  # on the full layer's device (cuda on NCCL), tags kept
     with torch.no_grad():
         for name, p in layer.named_parameters():
             dim = getattr(p, "partition_dim", None)

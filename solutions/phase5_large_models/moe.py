@@ -124,7 +124,7 @@ class Experts(nn.Module):
 
     def shard(self, first: int, count: int) -> Experts:
         """A new Experts holding copies of experts ``first .. first + count - 1``."""
-        part = Experts(count, self.w1.shape[1], self.w1.shape[2]).to(self.w1.dtype)
+        part = Experts(count, self.w1.shape[1], self.w1.shape[2]).to(self.w1.device, self.w1.dtype)
         with torch.no_grad():
             part.w1.copy_(self.w1[first:first + count])
             part.w2.copy_(self.w2[first:first + count])
