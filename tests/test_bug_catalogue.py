@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from distlab import bugs
 from distlab.pytest_plugin import load_weights
 
@@ -23,6 +25,7 @@ def test_catalogue_applies_and_covers_every_phase():
     assert phases >= {"1", "2", "3", "4", "5"}, f"phases covered: {sorted(phases)}"
 
 
+@pytest.mark.e2e
 def test_runner_catches_a_seeded_bug():
     # Cheap and deterministic: the straggler rule by the mean (no process group).
     (bug,) = [b for b in bugs.catalogue() if b.id == "4.12-by-the-mean"]

@@ -79,6 +79,7 @@ def phase1_lines(status: str) -> dict[str, str]:
             for ex in course.exercises() if ex.phase == 1}
 
 
+@pytest.mark.e2e
 def test_learner_plays_phase1_with_the_cockpit_only(copy: Path):
     collectives = copy / PHASE / "template_collectives.py"
     pristine = collectives.read_text()
@@ -132,6 +133,7 @@ def test_learner_plays_phase1_with_the_cockpit_only(copy: Path):
     assert re.search(r"1\.1-1\.3 all-reduce three ways\s+edited", distlab(copy, "status")), "reset forgets the verdict"
 
 
+@pytest.mark.e2e
 def test_watch_rechecks_on_save_and_moves_on(copy: Path):
     proc = subprocess.Popen([sys.executable, "-m", "distlab", "watch", "1.4-1.5", "--max-checks", "2",
                              "--interval", "0.2", "--root", str(copy)], cwd=REPO, stdout=subprocess.PIPE,
@@ -183,6 +185,7 @@ def test_check_ties_pytest_to_the_cockpit():
     assert checks.TIE_ENV == TIE_ENV
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(200)
 def test_warm_checks_see_each_save_agree_with_a_cold_check_and_leave_nothing(tmp_path: Path):
     """``check --warm`` in a learner's own checkout (a clone: its distlab, tests and templates): the

@@ -128,6 +128,7 @@ def test_compose_file_passes_docker_compose_config():
     assert out.returncode == 0, out.stderr
 
 
+@pytest.mark.e2e
 def test_compose_nodes_run_as_the_containers_would():
     """Each service's environment, as compose resolves it, with loopback standing in for the network.
 

@@ -60,6 +60,7 @@ def _pytest(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.e2e
 def test_any_learner_exception_still_yields_a_score(tmp_path):
     tests = tmp_path / "test_learner.py"
     tests.write_text(LEARNER_TESTS)
@@ -123,6 +124,7 @@ def test_the_reference_asked_for_explicitly_comes_from_this_checkout(tmp_path, m
     assert Path(ref.__file__).resolve() == REPO / "solutions" / "phase1_data_parallel" / "collectives.py"
 
 
+@pytest.mark.e2e
 def test_a_cheating_copy_scores_zero(tmp_path):
     copy = tmp_path / "copy"
     (copy / "phase1_data_parallel").mkdir(parents=True)
@@ -158,6 +160,7 @@ def test_scores_are_weighted_and_scaffold_tests_do_not_count():
     assert "1.2 y" not in scores  # only scaffold tests: nothing to score
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(400)  # a nested grading run with its own 300 s deadline
 def test_run_autograder_grades_a_submission_of_template_files_only(tmp_path):
     """Gradescope's entry point, dry-run: the student uploaded one finished template."""

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -69,6 +70,7 @@ def _launcher(pid_dir: str, stop: str = "") -> None:
     run_distributed(_worker_hangs_with_a_helper, 2, pid_dir, bool(stop), timeout_s=250, hang_s=0)
 
 
+@pytest.mark.e2e
 def test_killing_run_distributeds_parent_leaves_no_process(tmp_path):
     """SIGTERM and SIGKILL to a launcher whose ranks hang, and SIGKILL to one whose rank 1 is stopped
     (SIGSTOP): ranks, their helpers, the forkserver and the resource tracker all go. The stopped rank
@@ -145,6 +147,7 @@ def _loopback(address: str) -> bool:
                                                "[0000:0000:0000:0000:0000:ffff:7f00:0001]")
 
 
+@pytest.mark.e2e
 def test_a_one_machine_torchrun_job_listens_on_loopback_names_its_hang_and_dies_whole(tmp_path):
     """entrypoint.sh's launcher (``python -m distlab.launch --standalone``), DISTLAB_HANG_TIMEOUT unset:
     while the job runs, every socket it listens on is on loopback; rank 1 stops itself, and rank 0's
@@ -207,6 +210,7 @@ def _cmdlines(pids) -> dict[int, str]:
     return {pid: _cmdline(pid) for pid in pids}
 
 
+@pytest.mark.e2e
 def test_torchrun_workers_die_with_a_sigkilled_agent_and_jobs_with_a_sigkilled_pytest(tmp_path):
     """(1) SIGKILL to the torchrun agent: its workers, which it can no longer stop, die with it
     (init_from_env arms the parent-death signal). (2) SIGKILL to a test's pytest (or pytest-timeout's

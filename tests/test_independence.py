@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from distlab import bugs
 
 # One exercise per solution module: each is the only finished TODO of its module.
@@ -32,6 +34,7 @@ def test_partial_template_finishes_only_the_named_exercise():
     assert "solutions" not in "".join(line for line in text.splitlines() if line.startswith(("import", "from")))
 
 
+@pytest.mark.e2e
 def test_exercise_finished_alone_scores_full(tmp_path: Path):
     finished = set().union(*(bugs.exercise_ids(e) for e in SAMPLE))
     copy = bugs.student_copy(tmp_path / "copy", finished)

@@ -228,6 +228,7 @@ def untouched_template_results(request, tmp_path_factory) -> dict:
 
 # The first of these tests runs the module fixture (one nested pytest over every phase file,
 # ~1-2 minutes on 2 quiet cores, several times that on a busy machine): its pytest-timeout covers it.
+@pytest.mark.e2e
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("test_file", PHASE_TESTS, ids=lambda p: p.name)
 def test_untouched_templates_fail_with_learner_todo(test_file, untouched_template_results):
@@ -282,6 +283,7 @@ def _run_demo_on_templates(module: str, err_path: str) -> None:
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(700)  # every demo, 2 at a time, each cut at 90 s, in one run with a 600 s deadline
 def test_every_demo_stops_at_the_first_todo_on_untouched_templates(tmp_path):
     """``IMPL=templates RUN_MODE=<mode>``: exit code 3 and one line naming the TODO, no traceback.

@@ -12,6 +12,7 @@ import subprocess
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -70,6 +71,7 @@ def run_mode(mode: str, folder: Path, *args: str, flag: bool = False) -> Path:
     return folder / "trace.json"
 
 
+@pytest.mark.e2e
 def test_ring_allreduce_mode_trace_matches_its_ledger_and_the_ring(tmp_path: Path):
     path = run_mode("ring_allreduce", tmp_path, "--sizes-mb", "0.01", "--repeats", "2", flag=True)
     events = validate(path)
@@ -91,6 +93,7 @@ def test_ring_allreduce_mode_trace_matches_its_ledger_and_the_ring(tmp_path: Pat
     assert {e["cat"] for e in events if e["ph"] == "X"} == {"comm", "wait", "compute"}
 
 
+@pytest.mark.e2e
 def test_pipeline_1f1b_mode_trace_matches_its_ledger_and_the_schedule(tmp_path: Path):
     steps, m, batch, hidden = 2, 4, 16, 64
     path = run_mode("pipeline_1f1b", tmp_path, "--epochs", "1", "--steps", str(steps), "--microbatches", str(m),
