@@ -12,7 +12,7 @@ E2E_ENV = "DISTLAB_E2E"
 def pytest_collection_modifyitems(config, items):
     """The end-to-end tier (marked ``e2e``): whole sessions played through nested processes (a learner's
     cockpit, an instructor's grading of a copy, every untouched template through a nested pytest,
-    launchers killed): about 7 minutes of the suite's 17 on a fresh clone. The main suite skips them
+    launchers killed): 526 s on a fresh clone, beside the main suite's 588 s. The main suite skips them
     unless ``DISTLAB_E2E=1`` or ``-m e2e`` selects them; ``.ci/run`` runs them after it, with their time.
     A graded test is never in the tier: skipping it would take it out of a score's denominator."""
     selected = os.environ.get(E2E_ENV) == "1" or "e2e" in (config.option.markexpr or "")
