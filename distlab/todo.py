@@ -56,8 +56,8 @@ def run_demo(main: Callable[[], object]) -> None:
     printing, so the launcher reports it once, with the failing rank, instead of every
     rank printing the same traceback (plain torchrun: its "Root Cause" block;
     ``python -m distlab.launch`` and ``entrypoint.sh``: ``summarize_failure``'s few lines).
-    Without torchrun a ValueError (the demos' message for a flag that cannot work) or another of ``ONE_LINE_ERRORS`` is
-    printed as one line with exit code 1, and anything else propagates with its traceback.
+    Without torchrun a ValueError (the demos' message for a flag that cannot work), or another of
+    ``ONE_LINE_ERRORS``, is printed as one line with exit code 1; anything else propagates with its traceback.
     """
     from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -81,7 +81,7 @@ def run_demo(main: Callable[[], object]) -> None:
 def summarize_failure(error) -> str:
     """torchrun's ChildFailedError in a few lines: the first failure's rank and error, once.
 
-    One of ``ONE_LINE_ERRORS`` (a ValueError, a LearnerTODO, ...) is one line (its message says what to change); another
+    One of ``ONE_LINE_ERRORS`` (a ValueError, a LearnerTODO, ...) is one line (it says what to change); another
     exception comes with the traceback its rank recorded; a rank that recorded nothing (one
     killed by a signal, or ended by the hang doctor) with its exit code. The other failed
     ranks follow in one line, without their errors repeated.
