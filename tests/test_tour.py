@@ -17,6 +17,7 @@ def _worker_tour(rank, world_size, out_dir):
     return tour.main(["--quick", "--out", out_dir])
 
 
+@pytest.mark.e2e  # the whole tour, every strategy (26 s): the main suite stays under 600 s
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_tour_strategies_match_single_process(world_size, tmp_path):
     summary = run_distributed(_worker_tour, world_size, str(tmp_path), timeout_s=240)[0]
