@@ -139,7 +139,10 @@ def test_ctrl_c_of_entrypoint_prints_one_line_not_every_ranks_traceback():
     """Ctrl-C reaches the agent and both ranks at once: each rank printed its KeyboardInterrupt's
     traceback and the agent its own (92 lines). Now the ranks print nothing and the agent one line."""
     code, after = interrupted([str(ENTRYPOINT), "--numel", "64", "--repeats", "100000000"],
-                              _clean_env(RUN_MODE="comm", NPROC="2"), when="== the primitives")  # after init_from_env
+                              _clean_env(RUN_MODE="comm", NPROC="2"),
+                              # the primitives' last line: after it the timing loop prints nothing until
+                              # its 1e8 repeats end (waiting for the first line let the other seven race Ctrl-C)
+                              when="r1:[42.0]\n")  # "send 42 from 0 to 1 / recv ... r1:[42.0]"
     lines = [line for line in after.splitlines() if line.strip()]
     assert "Traceback" not in after and "KeyboardInterrupt" not in after, after[-4000:]
     assert lines == ["distlab.launch: stopped by SIGINT (Ctrl-C): this node's workers were ended"], after[-4000:]
