@@ -4,6 +4,7 @@
     python -m distlab.plan --preset llama-7b --gpus 64 --gpu-mem 80
     python -m distlab.plan --preset gpt2-small --gpus 8 --gpu-mem 24 --tp 1
     python -m distlab.plan --preset mixtral-8x7b --gpus 64 --ep 8
+    python -m distlab.plan --reproduce megatron     # the step-time model against Megatron-LM's Table 1
 
 For every way of writing --gpus as dp x tp x pp x cp (tp within a node, experts sharded ep
 ways inside dp), with DDP or ZeRO-1/2/3 on the data-parallel axis and with or without
@@ -17,7 +18,9 @@ mixture of experts, ReLU experts without biases). ``--params`` rescales the arch
 parameter count to the given total. Memory and bytes are the formulas of
 phase5_large_models/guidelines.md#planner, which tests/test_plan.py checks against what the
 course's own implementations (DDP, ZeRO, FSDP, tensor parallel, 1F1B, ring attention, MoE)
-measure at small scale; the step time is an estimate from --tflops and the bandwidths.
+measure at small scale; the step time is an estimate from --tflops and the bandwidths. The
+step-time model checked against published runs (tensor x pipeline x data parallel, on a
+described cluster) is distlab/plan_time.py's: ``--reproduce megatron``.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import sys
 from dataclasses import dataclass
 
 from distlab.metrics import format_table
+from distlab.plan_cli import parser
 
 GB = 1e9
 PRESETS = {  # name -> Model fields (+ params: the published total)
@@ -281,33 +285,8 @@ def _row(r: dict) -> dict:
     return {"plan": r["plan"].name(), "params": g(est.params), "grads": g(est.grads), "optim": g(est.optimizer),
             "act": g(est.activations), "act (recompute)": g(est.activations_recompute), "total GB": g(est.total),
             "fits": "yes" if r["fits"] else "no", "sent/step GB": g(r["comm"]),
-            "bubble": f"{est.bubble:.1%}" if r["plan"].pp > 1 else "-", "step s (est.)": f"{r['time']:.2f}"}
-
-
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m distlab.plan", description=__doc__.splitlines()[0],
-                                 usage="%(prog)s (--preset NAME | --layers L --hidden H --seq S) --gpus N [options]")
-    ap.add_argument("--preset", choices=sorted(PRESETS))
-    for name, kind in (("params", float), ("layers", int), ("hidden", int), ("heads", int), ("vocab", int),
-                       ("seq", int), ("ffn", int), ("experts", int), ("top-k", int)):
-        ap.add_argument(f"--{name}", type=kind)
-    ap.add_argument("--untied", action="store_true", help="LM head not tied to the embedding")
-    ap.add_argument("--gpus", type=int, required=True)
-    ap.add_argument("--gpu-mem", type=float, default=80.0, help="GB per GPU")
-    ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    ap.add_argument("--global-batch", type=int, default=512, help="sequences per step, all ranks")
-    ap.add_argument("--dtype-bytes", type=int, default=2, help="bytes per parameter, gradient, activation")
-    ap.add_argument("--optimizer-bytes", type=int, default=12, help="optimizer bytes per parameter (K)")
-    for axis in ("tp", "pp", "cp", "ep"):
-        ap.add_argument(f"--{axis}", type=int, help=f"hold the {axis} degree")
-    ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="0: DDP; 1-3: ZeRO stage")
-    ap.add_argument("--recompute", choices=["yes", "no"])
-    ap.add_argument("--tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU")
-    ap.add_argument("--intra-gbs", type=float, default=450.0, help="GB/s inside a node")
-    ap.add_argument("--inter-gbs", type=float, default=50.0, help="GB/s across nodes")
-    ap.add_argument("--top", type=int, default=10, help="feasible plans to print")
-    return ap
+            "bubble": f"{est.bubble:.1%}" if r["plan"].pp > 1 else "-",
+            "micro-batches": est.microbatches if r["plan"].pp > 1 else "-", "step s (est.)": f"{r['time']:.2f}"}
 
 
 def _model(args: argparse.Namespace) -> Model:
@@ -329,12 +308,17 @@ def _model(args: argparse.Namespace) -> Model:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    """Print the tables; return the feasible plans, best first (``evaluate``'s dicts)."""
-    ap = _parser()
+    """Print the tables; return the feasible plans, best first (``evaluate``'s dicts; --reproduce: its rows)."""
+    ap = parser(sorted(PRESETS), __doc__.splitlines()[0])
     args = ap.parse_args(argv)
+    if args.reproduce == "megatron":  # Table 1's rows (plan_time imports this module: imported here)
+        from distlab.plan_time import reproduce_megatron  # noqa: PLC0415
+        return reproduce_megatron()
     fixed = {k: getattr(args, k) for k in ("tp", "pp", "cp", "ep", "zero")}
     fixed["recompute"] = None if args.recompute is None else args.recompute == "yes"
     try:
+        if args.gpus is None:
+            raise ValueError("--gpus is required (or --reproduce megatron)")
         for key in ("gpus", "micro_batch", "global_batch", "gpu_mem", "tp", "pp", "cp", "ep"):
             if getattr(args, key) is not None and getattr(args, key) <= 0:
                 raise ValueError(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
