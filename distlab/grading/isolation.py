@@ -28,6 +28,8 @@ import sys
 from pathlib import Path
 from types import FunctionType, ModuleType
 
+from distlab.grading import rules
+
 REPO = Path(__file__).resolve().parents[2]
 
 # Imports any template may use: computation and plain data, nothing that reaches files,
@@ -58,7 +60,9 @@ HATCH_ATTRS = {"f_back", "f_globals", "f_locals", "f_builtins", "f_code", "gi_fr
                "tb_frame", "tb_next", "sys", "builtins", "importlib", "gc", "inspect", "ctypes", "runpy",
                "subprocess", "loader", "modules", "solutions", "os", "posix", "_exit", "pickle", "_pickle", "io",
                "_io", "socket", "shutil", "multiprocessing", "threading", "_thread", "signal", "mmap", "fcntl",
-               "resource", "tempfile", "marshal"}
+               "resource", "tempfile", "marshal", "attrgetter", "methodcaller"}
+# The attribute functions: called directly with a constant name, never handed around (``g = getattr``).
+ATTR_FUNCTIONS = ("getattr", "setattr", "delattr", "hasattr")
 
 
 # The bench's given copies of taught functions: a later exercise gets them from distlab, and the
@@ -84,14 +88,23 @@ def _findings(tree: ast.AST) -> tuple[set[tuple], list[tuple[int, tuple, str]]]:
     """(imports, uses of hatches): imports as (module, name); each hatch as (line, key, text)."""
     imports, hatches = set(), []
     imported_names = set()
+    called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    never_tops = {m.split(".")[0] for m in NEVER_MODULES}
     for node in ast.walk(tree):
         for module, name in _module_of(node):
             imports.add((module, name))
             if name == "*":
                 hatches.append((node.lineno, ("star import", module), f"`from {module} import *`"))
+            elif name in HATCH_ATTRS or name in HATCH_NAMES or name in never_tops or \
+                    (name or "").startswith("__") or name in ATTR_FUNCTIONS:
+                # `from torch.serialization import os`, `from typing import sys`: a module another module holds
+                hatches.append((node.lineno, ("import of", name), f"`from {module} import {name}`"))
             alias = next(a.asname or (a.name if name else a.name.split(".")[0]) for a in node.names
                          if a.name == (name or module))
             imported_names.add(alias)
+        if isinstance(node, ast.Name) and node.id in ATTR_FUNCTIONS and id(node) not in called:
+            hatches.append((node.lineno, ("handed around", node.id),
+                            f"`{node.id}` other than called with a constant name (an alias of it)"))
     for node in ast.walk(tree):
         line = getattr(node, "lineno", 0)
         defined = node.name if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else \
@@ -124,7 +137,68 @@ def _findings(tree: ast.AST) -> tuple[set[tuple], list[tuple[int, tuple, str]]]:
                 if isinstance(sub, (ast.Attribute, ast.Subscript)) and _root(sub) in imported_names:
                     hatches.append((line, ("patch", _root(sub)),
                                     f"an assignment to `{ast.unparse(sub)}` (a template may not change what it imports)"))
-    return imports, hatches
+    return imports, hatches + _builtin_references(tree)
+
+
+# --------------------------------------------------------------------------- torch's own implementation
+_ALL_NAMES = rules.BACKDOORS.union(*(r.names for r in rules.RULES))
+_ALL_PATHS = tuple(p for r in rules.RULES for p in r.paths)
+
+
+def _dotted(node: ast.AST, aliases: dict[str, str]) -> tuple[str | None, list[str]]:
+    """(the chain's dotted path with its root resolved through ``aliases``, or None; every name along it):
+    ``d.nn.functional`` after ``import torch.distributed as d`` is torch.distributed.nn.functional."""
+    parts = []
+    while True:
+        if isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ATTR_FUNCTIONS \
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+            parts.append(node.args[1].value)  # getattr(dist, "all_reduce")
+            node = node.args[0]
+        else:
+            break
+    parts.reverse()
+    root = aliases.get(node.id) if isinstance(node, ast.Name) else None
+    return (".".join([root, *parts]) if root else None), parts
+
+
+def _builtin_references(tree: ast.AST) -> list[tuple[int, tuple, str]]:
+    """Every place the template names torch's implementation of an exercise (distlab/grading/rules.py), as
+    hatches keyed ("builtin", name) and ("builtin path", prefix); :func:`lint` keeps those of its exercise."""
+    aliases: dict[str, str] = {}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+                found.append((node.lineno, a.name, a.name.split(".")))
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for a in node.names:
+                aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+                found.append((node.lineno, f"{node.module}.{a.name}", [*node.module.split("."), a.name]))
+    assigns = [n for n in ast.walk(tree) if isinstance(n, ast.Assign) and len(n.targets) == 1
+               and isinstance(n.targets[0], ast.Name)]
+    for _ in range(3):  # `a = torch.distributed; b = a.nn`: aliases of aliases, in any order
+        for n in assigns:
+            path, _parts = _dotted(n.value, aliases)
+            if path:
+                aliases[n.targets[0].id] = path
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) or (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                                               and node.func.id in ATTR_FUNCTIONS):
+            path, parts = _dotted(node, aliases)
+            if parts:
+                found.append((node.lineno, path, parts))
+    hatches = []
+    for line, path, parts in found:
+        for name in set(parts) & _ALL_NAMES:
+            hatches.append((line, ("builtin", name), f"`{name}`"))
+        for prefix in _ALL_PATHS:
+            if path and (path == prefix or path.startswith(prefix + ".")):
+                hatches.append((line, ("builtin path", prefix), f"`{path}`"))
+    return hatches
 
 
 def _root(node: ast.AST) -> str | None:
@@ -176,9 +250,18 @@ def lint(path: Path, phase: str, name: str) -> list[str]:
             what = f"from {module} import {item}" if item else f"import {module}"
             problems.append(f"{where}: `{what}` is not allowed here (the untouched template does not import it; "
                             "an exercise may not use the bench's given copy of itself)")
+    refused_names, refused_paths = rules.static_names(phase, name)
+    rule = rules.rule_for(phase, name)
     for line, key, text in sorted(hatches):
-        if key not in allowed_hatches:
-            problems.append(f"{where}:{line}: {text} is not allowed in a template")
+        if key in allowed_hatches:
+            continue
+        if key[0] in ("builtin", "builtin path"):
+            if key[1] in refused_names or key[1] in refused_paths:
+                why = rule.line(f"{text}, torch's own") if rule and key[1] not in rules.BACKDOORS else \
+                    f"the layer under torch.distributed's functions is not for templates (refused: {text})"
+                problems.append(f"{where}:{line}: {why}")
+            continue
+        problems.append(f"{where}:{line}: {text} is not allowed in a template")
     return problems
 
 
