@@ -230,16 +230,15 @@ def shard(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return batch[rank * per:(rank + 1) * per]
 
 
-def reference_prerequisites(module, phase: str, names: list[str]):
-    """Give ``module`` (the graded one, loaded in this rank's own process) the reference's ``names``:
-    an exercise is graded with the building blocks of other exercises taken from the reference, so a
-    learner who finished only it scores its points. Call it inside a rank, never in the pytest parent
-    (the patch lasts as long as the process)."""
-    from distlab.loader import load
-
-    ref = load(phase, module.__name__.rsplit(".", 1)[-1].removeprefix("template_"), impl="solutions")
-    for name in names:
-        setattr(module, name, getattr(ref, name))
+def given_prerequisites(module, given: dict):
+    """Give ``module`` (the graded one, loaded in this rank's own process) the bench's copies of the
+    building blocks ``given`` names (name -> function): an exercise is graded with the other TODOs of its
+    lesson taken from the bench, so a learner who finished only it scores its points. Not from the
+    reference: in a grading run the reference is out of the learner's processes' reach
+    (distlab/grading/jail.py). Call it inside a rank, never in the pytest parent (the patch lasts as long
+    as the process)."""
+    for name, fn in given.items():
+        setattr(module, name, fn)
     return module
 
 

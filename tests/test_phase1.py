@@ -19,10 +19,11 @@ from torch.utils.data import DistributedSampler as TorchDistributedSampler
 from distlab import load
 from distlab import p2p
 from distlab.comm import CommLedger
+from distlab.lessons import sync
 from distlab.spawn import run_distributed
 from distlab.models import TiedFrozenModel, TinyCNN, ToyMLP, seeded
 from distlab.testing import (assert_at_most, assert_equal, assert_grads_close, assert_models_close,
-                             assert_ranks_identical, assert_tensors_close, reference_prerequisites, shard)
+                             assert_ranks_identical, assert_tensors_close, given_prerequisites, shard)
 
 PHASE = "phase1_data_parallel"
 WORLD_SIZES = [1, 2, 3, 4]
@@ -214,10 +215,14 @@ def _baseline_step(model, optimizer, x, y, world_size):
     optimizer.step()
 
 
-# The learner's function each test grades; the other two come from the reference (patched in the
-# rank's own process), so the exercise's points split over its three TODOs (grading/weights.toml)
-# and a TODO finished alone earns its share.
+# The learner's function each test grades; the other two come from the bench's copies (distlab/lessons/
+# sync.py, patched in the rank's own process), so the exercise's points split over its three TODOs
+# (grading/weights.toml) and a TODO finished alone earns its share.
 NAIVE_DP_TODOS = {"1.6": "broadcast_parameters", "1.7": "allreduce_gradients", "1.8": "sync_buffers"}
+BENCH_COPIES = {  # the trainer's signatures, on the bench's functions
+    "broadcast_parameters": lambda model, src=0, group=None: sync.broadcast_module(model, group),
+    "allreduce_gradients": lambda model, group=None: sync.allreduce_gradients(model.parameters(), group),
+    "sync_buffers": lambda model, group=None: sync.average_buffers(model, group)}
 NAIVE_DP_CASES = [  # (todo, kind, optimizer): 2 per TODO, x 4 world sizes
     ("1.6", "tied_frozen", "sgd"), ("1.6", "cnn_batchnorm", "adam"),  # parameters once; buffers too
     ("1.7", "mlp", "adam"), ("1.7", "tied_frozen", "sgd"),  # tied reduced once, frozen skipped
@@ -225,8 +230,8 @@ NAIVE_DP_CASES = [  # (todo, kind, optimizer): 2 per TODO, x 4 world sizes
 
 
 def _worker_naive_dp(rank, world_size, todo, kind, optim_name):
-    trainer = reference_prerequisites(load(PHASE, "trainer"), PHASE,
-                                      [name for t, name in NAIVE_DP_TODOS.items() if t != todo])
+    trainer = given_prerequisites(load(PHASE, "trainer"),
+                                  {name: BENCH_COPIES[name] for t, name in NAIVE_DP_TODOS.items() if t != todo})
     baseline = _make(kind, seed=0)
     model = _make(kind, seed=rank)  # different on purpose: the broadcast must fix it
     with torch.no_grad():  # a fresh BatchNorm's statistics are equal everywhere: make the buffers differ too

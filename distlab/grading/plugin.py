@@ -1,15 +1,18 @@
 """The pytest plugin's grading parts, beside the bench's (distlab/pytest_plugin.py: ``--impl``, the score).
 
 Loaded by pyproject.toml's addopts (``-p distlab.pytest_plugin -p distlab.grading.plugin``), in every run:
-templates loaded by the tests go through the static rules and the bench guard (distlab/grading/attach.py).
-A graded run (``--impl templates``) also gets the sandbox's audit hook in pytest's process; an instructor's
-run (``--student-dir``) makes its verdicts in pytest's process, which never runs learner code: each graded
-test's body runs in a forked child (distlab/grading/verdict.py). ``--record-reference`` keeps the
-reference's checks for later grading runs (grading/gradescope/setup.sh).
+templates loaded by the tests go through the static rules and the bench guard (distlab/grading/attach.py),
+which are teaching messages. A learner's own run (``--impl templates``) also gets the audit hook.
+
+An instructor's grading run (``--impl templates --student-dir=DIR``) is where the walls are: pytest's
+process never runs learner code. Before the first test, each exercise's tests run in a jail of their own
+(distlab/grading/jail.py: a private copy of the bench without the reference, an unprivileged identity,
+read-only everything but its scratch); what comes out is data. Each graded test's verdict is then made
+here, from that data and the same test run on the reference (distlab/grading/verdict.py).
+``--record-reference`` keeps the reference's checks for later grading runs (grading/gradescope/setup.sh).
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -31,31 +34,22 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     attach.attach()
     if config.getoption("--impl") == "templates":
-        _isolate_graded_run()
-        if config.getoption("--student-dir"):  # an instructor's grading run: no template in this process
+        if config.getoption("--student-dir"):  # an instructor's grading run: no learner code in this process
             role.become(role.GRADER)
+        else:
+            sandbox.install_hook()  # a learner's own run: the audit hook's messages (single-process tests load here)
 
 
-def _isolate_graded_run() -> None:
-    """A graded run: the sandbox's audit hook in this process too (single-process tests load templates
-    here); as root with ranks to run as an unprivileged user (grading/gradescope/run_autograder), the
-    reference modules preloaded by the forkserver, so ranks have them once they cannot read the files."""
-    sandbox.install_hook()
-    if os.environ.get(sandbox.RANK_USER_ENV) and os.geteuid() == 0:
-        from distlab import spawn  # (torch: only here, where the ranks need the reference preloaded)
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtestloop(session):
+    """In a grading run, before the first test: every exercise's tests in a jail of their own."""
+    if role.current() == role.GRADER and session.items and not session.config.option.collectonly:
+        from distlab.grading import jail  # (torch: only in a grading run)
 
-        spawn.preload(*[f"solutions.{p.parent.name}.{p.stem}" for p in sorted(REPO.glob("solutions/phase*/*.py"))
-                        if p.stem != "__init__"])
-
-
-@pytest.fixture(autouse=True)
-def _tmp_path_open_to_rank_user(request):
-    """Ranks graded as the unprivileged user write checkpoints to the test's tmp_path (pytest makes it 0700)."""
-    if os.environ.get(sandbox.RANK_USER_ENV) and os.geteuid() == 0 and "tmp_path" in request.fixturenames:
-        path = request.getfixturevalue("tmp_path")
-        os.chmod(path, 0o777)
-        for parent in list(path.parents)[:3]:  # test dir, numbered basetemp, pytest-of-root
-            os.chmod(parent, parent.stat().st_mode | 0o011)
+        try:
+            session.config._jail_outcomes = jail.run_groups(session.items, session.config.getoption("--student-dir"))
+        except jail.JailUnavailable as exc:
+            pytest.exit(f"not graded: {exc}", returncode=3)
     yield
 
 

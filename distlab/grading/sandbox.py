@@ -1,7 +1,9 @@
-"""A graded rank's guard: what the learner's code may not do while it runs.
+"""A graded rank's guard: teaching messages about what the learner's code may not do while it runs.
 
-The static rules (distlab/grading/isolation.py) read a template before it runs; this is the layer
-behind them, in every rank of a graded run (``--impl templates``), installed at rank start by the
+The walls are the operating system's (distlab/grading/jail.py: in a grading run learner code runs in a
+jail that cannot reach the reference, the grader's files or the verdict). What is here names a mistake
+early, in the learner's own run too. The static rules (distlab/grading/isolation.py) read a template
+before it runs; this is the layer behind them, in every rank of a graded run (``--impl templates``), installed at rank start by the
 rank hook (distlab/grading/attach.py, run by distlab/rank.py), before the test module loads the template:
 
 * a Python audit hook (PEP 578, ``sys.addaudithook``: it cannot be removed) refuses, while the
@@ -155,44 +157,14 @@ def install_hook() -> None:
     sys.addaudithook(_hook)
 
 
-RANK_USER_ENV = "DISTLAB_RANK_USER"  # set by grading/gradescope/run_autograder when it runs as root
-_scratch: tuple[str, ...] = ()
-
-
 def enter_rank(*scratch: str) -> None:
     """At a rank's start, before any learner code: the audit hook, and the bench's verdict functions
-    remembered. ``scratch``: the run's own files (store, doctor records) the rank still needs once it
-    runs as the unprivileged user."""
-    global _guard, _scratch
+    remembered (``scratch``: the run's own files; the jail, not this hook, keeps the rank to them)."""
+    global _guard
     if not graded():
         return
-    _scratch = tuple(p for p in scratch if p)
     _guard = BenchGuard()
     install_hook()
-
-
-def drop_privileges() -> None:
-    """Before a rank runs learner code, as root with ``DISTLAB_RANK_USER`` set: become that user.
-
-    grading/gradescope/lockdown.sh made the reference, the tests and the grading files readable by
-    root only; the reference modules a test needs are already in memory (the forkserver preloads them,
-    see distlab/grading/plugin.py), so only the learner loses them. The run's scratch files (the
-    process group's FileStore, the doctor's records) are opened to the user first.
-    """
-    user = os.environ.get(RANK_USER_ENV)
-    if not user or os.geteuid() != 0 or not graded():
-        return
-    import pwd
-
-    entry = pwd.getpwnam(user)
-    for path in _scratch:
-        folder = os.path.dirname(path)
-        os.chmod(folder, 0o733)  # the user may create files (the flight recorder) but not list them
-        for name in os.listdir(folder):
-            os.chmod(os.path.join(folder, name), 0o666)
-    os.setgroups([])
-    os.setgid(entry.pw_gid)
-    os.setuid(entry.pw_uid)  # real, effective and saved: there is no way back to root
 
 
 def leave_rank(message: tuple) -> tuple:

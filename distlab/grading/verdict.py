@@ -1,28 +1,23 @@
-"""In a graded run the verdict is pytest's process's: the learner's code runs in forked children, which
-report what they checked; pytest's process, which never ran learner code, compares.
+"""In a grading run the verdict is pytest's process's: the learner's code ran in a jail, which sent data.
 
-1. Each graded test's body runs in a child forked for the test (fixtures were set up by pytest first,
-   so tmp_path and monkeypatch work as usual). Tests whose ranks load the template keep it out of
-   pytest's process already (distlab/spawn.py); single-process tests (the sampler, the checkpoint file
-   format, ...) would load it into pytest itself, where a patch would outlive the test. ``load()`` in
-   pytest's process refuses a template (distlab/loader.py: this process's role is ``GRADER``,
-   distlab/role.py).
-2. Every comparison the test makes through distlab.testing (``assert_tensors_close`` and the helpers on
-   it, ``assert_ranks_identical``; counts and byte totals through ``assert_equal``/``assert_at_most``) is
-   recorded where it is made, in a rank or in the child: the actual value, the expected value, the
-   tolerance, the test line. Ranks send their records with their result
-   (a result without them is refused: it did not come from the launcher), the child sends all of them
-   with its outcome.
-3. A test that failed fails. A test that passed is run again on the reference, in a child where no
-   learner code runs (or its records are read from the cache, filled by ``pytest --record-reference``
-   when the autograder is built). :func:`compare` then asks, here: did the graded run make the same
-   checks at the same lines, and is each actual value close to the reference run's expected value, its
-   baseline, with the reference run's tolerance? A rank whose comparison was switched off, whose
-   baseline was bent to its wrong answer, or that wrote a forged "ok" and left before the checks, fails.
+1. Before the first test, every exercise's tests ran in a jail (distlab/grading/jail.py): a private copy of
+   the bench without the reference, an unprivileged identity, everything read-only but its scratch. Every
+   comparison a test makes through distlab.testing (``assert_tensors_close`` and the helpers on it,
+   ``assert_ranks_identical``; counts and byte totals through ``assert_equal``/``assert_at_most``) was
+   recorded where it was made, in a rank or in the test's process: the actual value, the expected value,
+   the tolerance, the test line. Each test's outcome came out as data (``torch.load(weights_only=True)``:
+   tensors and plain values, nothing that runs code here).
+2. A test that failed in the jail fails. A test that passed is run again on the reference, in a child of
+   this process where no learner code runs (or its records are read from the cache, filled by
+   ``pytest --record-reference`` when the autograder is built). :func:`compare` then asks, here: did the
+   graded run make the same checks at the same lines, and is each actual value close to the reference
+   run's expected value, its baseline, with the reference run's tolerance?
+3. A test the graded run skipped where the reference ran it counts as failed (a skip is the bench's to
+   make: no GPU here). A test whose reference run fails twice is left out of the score, said so, and never
+   charged to the student.
 
-The child's message is read as values and tensors only (``torch.load(weights_only=True)``): unpickling
-it could run code of the child's choosing here. What stays with the child: assertions written as plain
-``assert`` (timings, structure, peaks) run where the learner's code ran; only their outcome comes back.
+What stays with the jail: assertions written as plain ``assert`` (timings, structure, peaks) ran where the
+learner's code ran; only their outcome comes back.
 """
 from __future__ import annotations
 
@@ -73,32 +68,42 @@ def _child_body(item, impl: str | None = None) -> tuple:
 
 
 def run_in_child(item) -> None:
-    """Run ``item``'s test function in a forked child; raise as it did, or, where it passed, raise unless
-    its recorded checks hold here against the same test run on the reference (:func:`compare`)."""
-    folder = item.funcargs.get("tmp_path")
-    before = _snapshot(folder)
-    try:
-        outcome = _fork(item)
-        if outcome[0] != "passed":
-            _raise(outcome)
-        reference = _cached(item)
-        if reference is None:
-            _restore(folder, before)  # the reference run starts from what the graded one found
-            reference = reference_checks(item)
-        compare(outcome[1], reference)
-    finally:
-        if before is not None:
-            shutil.rmtree(before, ignore_errors=True)
+    """The verdict on ``item``: its outcome from the jail (distlab/grading/jail.py), and where it passed,
+    its recorded checks held here against the same test run on the reference (:func:`compare`)."""
+    outcome = getattr(item.config, "_jail_outcomes", {}).get(item.nodeid) or (
+        "error", "builtins", "RuntimeError", "the test was not run in the grading jail", "", False)
+    if outcome[0] == "error":
+        _raise(outcome)
+    reference = _cached(item)
+    if reference is None:
+        reference = reference_checks(item)  # skips (the bench's skip) or leaves the test out (the bench failed)
+    if outcome[0] == "skipped":
+        raise AssertionError(f"the graded run skipped this test ({outcome[1][:200]}) where the reference ran it: "
+                             "a skip is the bench's to make (no GPU), so it counts as failed")
+    compare(outcome[1], reference)
 
 
 def reference_checks(item) -> list[dict]:
-    """The checks ``item`` records on the reference, run now in a forked child, and kept in the cache."""
-    outcome = _fork(item, impl="solutions")
+    """The checks ``item`` records on the reference, run now in a forked child, and kept in the cache.
+
+    The reference's own skip (no GPU here) skips the test. A reference run that fails is run once more
+    (a busy machine); failing again, the test is left out of the score (skipped, saying why): a bench
+    problem is never charged to the student."""
+    folder = item.funcargs.get("tmp_path")
+    before = _snapshot(folder)
+    try:
+        outcome = _fork(item, impl="solutions")
+        if outcome[0] not in ("passed", "skipped"):
+            _restore(folder, before)  # the second run starts from what the fixtures left, as the first did
+            outcome = _fork(item, impl="solutions")
+    finally:
+        if before is not None:
+            shutil.rmtree(before, ignore_errors=True)
     if outcome[0] == "skipped":  # on this machine the test cannot run (no GPU): nothing to compare
         _raise(outcome)
     if outcome[0] != "passed":
-        raise RuntimeError(f"{item.nodeid}: the same test on the reference did not pass, so the graded run's checks "
-                           f"cannot be verified (a bench problem, not the submission's): {outcome[1:4]}")
+        pytest.skip(f"left out of the score: the same test on the reference failed twice ({str(outcome[3])[:200]}), "
+                    "so the graded run cannot be verified; a bench problem, not the submission's")
     path = _cache_path(item)
     scratch = path.with_name(f".{path.name}.{os.getpid()}")
     try:

@@ -3,7 +3,8 @@
 # solutions/, tests/, grading/ and .distlab/ (the reference run's checks, distlab/grading/verdict.py) become
 # readable by root only; everything a rank needs to run the
 # learner's code (distlab/, the phase folders with the untouched templates, the venv) stays readable.
-# Ranks of a graded run then drop to RANK_USER before they load a template (distlab/grading/sandbox.py).
+# The submission's code then runs as RANK_USER in the grading jail (distlab/grading/jail.py), which also
+# hides this checkout from it: the permissions here are a second wall, not the only one.
 #   grading/gradescope/lockdown.sh SOURCE_DIR [RANK_USER]
 set -euo pipefail
 SOURCE=${1:?usage: lockdown.sh SOURCE_DIR [RANK_USER]}

@@ -1,0 +1,301 @@
+"""Where a submission's code runs in a grading run: a jail the operating system keeps.
+
+An instructor's grading run (``pytest --impl templates --student-dir=DIR``, and Gradescope's
+grading/gradescope/run_autograder) never runs learner code in its own processes. For each exercise it
+starts one jail (distlab/grading/jail_enter.py builds its walls) and runs that exercise's tests there, in a
+nested pytest, on a private copy of the bench:
+
+* the copy holds the bench (distlab/), the tests, the demos and configs, the phase folders with the
+  student's templates over the untouched ones, and pyproject.toml; not the reference (solutions/), not
+  the grader's files (grading/), not the reference cache (.distlab/), not .git;
+* inside, everything is read-only but the jail's own ``out/`` and ``work/`` (and a private ``/tmp``); the
+  instructor's checkout, the reference cache, the student's folder and the grader's home are covered
+  by empty file systems; the processes run as an unprivileged user (as root: ``DISTLAB_SANDBOX_USER``,
+  default ``nobody``) or with no capability in a user namespace of their own (as an ordinary user), in a
+  PID namespace that ends with the jail;
+* what comes out is data: one file per test, written by the nested pytest (distlab/grading/report.py),
+  read here with ``torch.load(weights_only=True)`` (tensors and plain values, nothing that runs code),
+  file by file, never following a link.
+
+The verdict is made by the caller (distlab/grading/verdict.py) from that data and the reference run's.
+Where no jail can be built (no ``unshare``, user namespaces switched off), :class:`JailUnavailable` says so
+in one line and nothing is graded.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+USER_ENV = "DISTLAB_SANDBOX_USER"  # as root: the identity learner code runs as (default: nobody)
+COPIED = ("distlab", "tests", "demos", "configs", "pyproject.toml")  # and every phase*/ folder
+IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", "cheats")
+OUTCOME_LIMIT = 64 << 20  # bytes: one test's records (tensors included) are far smaller
+WALLS_DOWN = 97  # jail_enter.py's exit code when a wall could not be built
+
+
+class JailUnavailable(RuntimeError):
+    """No jail can be built here: nothing is graded (a grade whose code ran unwalled is not a grade)."""
+
+
+@dataclass
+class Jail:
+    """One grading run's jails: the private copy (made once) and the runs of each group of tests."""
+
+    student_dir: Path
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="distlab-jail-")))
+    runs: int = 0
+
+    def __post_init__(self) -> None:
+        os.chmod(self.root, 0o755)
+        make_copy(self.student_dir, self.root / "copy")
+        self.identity = identity()
+
+    def run(self, nodeids: list[str], timeout_s: float, log=print) -> dict[str, tuple]:
+        """Run ``nodeids`` (this checkout's node ids) in a fresh jail; each one's outcome (missing: it sent none)."""
+        self.runs += 1
+        scratch = self.root / f"run{self.runs}"
+        scratch.mkdir(mode=0o755)
+        (scratch / "copy").mkdir(mode=0o755)  # where the jail mounts the copy, read-only
+        for name in ("out", "work"):
+            (scratch / name).mkdir(mode=0o700)
+            if self.identity.user:
+                os.chown(scratch / name, *self.identity.user)
+        (scratch / "nodeids.json").write_text(json.dumps(nodeids))
+        argv = [self.identity.python, "-m", "pytest", *nodeids, "-p", "distlab.grading.report",
+                "--impl=templates", "-q", "-p", "no:cacheprovider", "--weights=/dev/null",
+                f"--basetemp={jail_path('work', 'pytest')}", "-o", "console_output_style=classic"]
+        spec = {"scratch": str(scratch.resolve()), "copy": str((self.root / "copy").resolve()), "hide": hidden(self.student_dir), "user": self.identity.user,
+                "python_home": self.identity.python_home, "argv": argv, "cwd": jail_path("copy"),
+                "env": jail_environment(self.identity)}
+        cmd = [*self.identity.unshare, sys.executable, "-I", str(Path(__file__).with_name("jail_enter.py")),
+               json.dumps(spec)]
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            raw, _ = proc.communicate(timeout=timeout_s or None)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # unshare: --kill-child ends the jail's PID 1, and with it every process inside
+            raw, _ = proc.communicate()
+            raw += f"\n(the jail was ended after {timeout_s:.0f} s)".encode()
+        output = raw.decode(errors="replace")
+        if proc.returncode == WALLS_DOWN:
+            raise JailUnavailable(f"the grading jail's walls did not go up: {_last_line(output)}")
+        outcomes = read_outcomes(scratch / "out", nodeids)
+        log(f"jail: {len(outcomes)}/{len(nodeids)} test(s) reported in {time.monotonic() - start:.1f} s "
+            f"(exit {proc.returncode})")
+        for nodeid in nodeids:
+            if nodeid not in outcomes:
+                outcomes[nodeid] = ("error", "builtins", "RuntimeError",
+                                    f"the test sent no outcome from the grading jail (it ended with exit code "
+                                    f"{proc.returncode}; its last line: {_last_line(output)})", output[-3000:], False)
+        shutil.rmtree(scratch, ignore_errors=True)
+        return outcomes
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "(nothing printed)"
+
+
+def jail_path(*parts: str) -> str:
+    return "/".join(("/tmp/sandbox", *parts))
+
+
+# --------------------------------------------------------------------------- the copy
+def make_copy(student_dir: Path, dest: Path) -> None:
+    """The bench without the reference: what the jail's pytest runs on (see the module's docstring)."""
+    dest.mkdir(mode=0o755)
+    for name in COPIED:
+        source = REPO / name
+        if source.is_dir():
+            shutil.copytree(source, dest / name, ignore=IGNORED, symlinks=False)
+        elif source.is_file():
+            shutil.copy(source, dest / name)
+    for phase in sorted(REPO.glob("phase*")):
+        if phase.is_dir():
+            shutil.copytree(phase, dest / phase.name, ignore=IGNORED)
+            for template in phase.glob("template_*.py"):  # the student's version, where there is one
+                theirs = Path(student_dir) / phase.name / template.name
+                if theirs.is_file() and not theirs.is_symlink():
+                    shutil.copy(theirs, dest / phase.name / template.name)
+    # The lint (a teaching message, distlab/grading/isolation.py) compares a template with what its untouched
+    # version and its solution import; the solutions stay out, so their imports come along as data.
+    from distlab.grading import isolation
+
+    (dest / isolation.ALLOWANCES).write_text(json.dumps(isolation.all_allowances()))
+    for path in [dest, *dest.rglob("*")]:  # readable by the jail's user, writable by nobody inside
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+
+
+# --------------------------------------------------------------------------- who runs inside
+@dataclass
+class Identity:
+    unshare: list[str]
+    user: tuple[int, int] | None  # (uid, gid) to become; None: the caller's own, without capabilities
+    python: str  # the interpreter as the jail sees it
+    python_home: str | None  # a prefix to mount at /tmp/python (the jail's user cannot enter it where it is)
+
+
+def identity() -> Identity:
+    if shutil.which("unshare") is None:
+        raise JailUnavailable("no `unshare` here (util-linux): learner code cannot be walled off, so nothing is "
+                              "graded; install util-linux, or grade on a machine that has it")
+    base = ["unshare", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation", "private"]
+    if os.geteuid() == 0:
+        name = os.environ.get(USER_ENV, "nobody")
+        try:
+            entry = pwd.getpwnam(name)
+        except KeyError:
+            raise JailUnavailable(f"the jail's user {name!r} does not exist: create it or set {USER_ENV}") from None
+        if entry.pw_uid == 0:
+            raise JailUnavailable(f"{USER_ENV}={name} is root: learner code must run as an unprivileged user")
+        user = (entry.pw_uid, entry.pw_gid)
+        unshare = base
+    else:
+        user = None
+        unshare = [base[0], "--user", "--map-root-user", *base[1:]]
+    python, home = _interpreter(user)
+    return Identity(unshare, user, python, home)
+
+
+def _reachable(path: str, uid: int | None) -> bool:
+    """Whether every folder above ``path`` lets others through (what a different user needs)."""
+    if uid is None:
+        return True
+    path = os.path.realpath(path)
+    while path != "/":
+        path = os.path.dirname(path)
+        if not os.stat(path).st_mode & stat.S_IXOTH:
+            return False
+    return True
+
+
+def _interpreter(user) -> tuple[str, str | None]:
+    """This interpreter, or the same one mounted at /tmp/python when the jail's user cannot reach it."""
+    uid = user[0] if user else None
+    if _reachable(sys.executable, uid) and _reachable(sys.prefix, uid):
+        return sys.executable, None
+    if sys.prefix != sys.base_prefix:
+        raise JailUnavailable(f"the jail's user cannot reach this virtual environment ({sys.prefix}): make it "
+                              "readable by others (a venv under /root is not), or grade with a Python they can run")
+    relative = os.path.relpath(os.path.realpath(sys.executable), os.path.realpath(sys.prefix))
+    return f"/tmp/python/{relative}", os.path.realpath(sys.prefix)
+
+
+def hidden(student_dir: Path) -> list[str]:
+    """What the jail covers: the checkout, the reference cache, the student's own folder, the grader's home."""
+    paths = [REPO, Path(student_dir), Path.home()]
+    cache = os.environ.get("DISTLAB_REFERENCE_CHECKS")
+    if cache:
+        paths.append(Path(cache))
+    return sorted({str(p.resolve()) for p in paths if str(p.resolve()) != "/"})
+
+
+def jail_environment(ident: Identity) -> dict[str, str]:
+    """A clean environment: nothing of the grader's (tokens, paths), only what the tests need."""
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": jail_path("work"), "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1", "DISTLAB_IMPL": "templates",
+           "DISTLAB_OUTCOMES": jail_path("out"), "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"}
+    if ident.python_home:
+        env["LD_LIBRARY_PATH"] = "/tmp/python/lib"  # its libpython: otherwise the loader finds the system's
+        env["PATH"] = f"/tmp/python/bin:{env['PATH']}"
+    else:
+        env["PATH"] = f"{os.path.dirname(sys.executable)}:{env['PATH']}"
+    for name in ("DISTLAB_TIMEOUT_SCALE", "CUDA_VISIBLE_DEVICES", "DISTLAB_EXERCISES"):
+        if name in os.environ:
+            env[name] = os.environ[name]
+    return env
+
+
+# --------------------------------------------------------------------------- what comes out
+def read_outcomes(out: Path, nodeids: list[str]) -> dict[str, tuple]:
+    """``out/<i>.pt`` for the i-th node id: read as data, checked for shape; anything else is ignored."""
+    outcomes = {}
+    for i, nodeid in enumerate(nodeids):
+        path = out / f"{i}.pt"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size > OUTCOME_LIMIT:
+                outcome = _refused(f"its outcome file is not a regular file under {OUTCOME_LIMIT >> 20} MiB")
+            else:
+                with os.fdopen(fd, "rb", closefd=False) as f:
+                    outcome = checked(_loads(f.read()))
+        except Exception as exc:  # noqa: BLE001 - whatever the jail wrote, it is a failure, never a pass
+            outcome = _refused(f"its outcome does not read as the grader's data ({str(exc)[:200]})")
+        finally:
+            os.close(fd)
+        outcomes[nodeid] = outcome
+    return outcomes
+
+
+def _loads(payload: bytes):
+    import torch
+
+    return torch.load(io.BytesIO(payload), weights_only=True)
+
+
+def _refused(why: str) -> tuple:
+    return ("error", "builtins", "RuntimeError", f"the graded run's outcome was refused: {why}", "", False)
+
+
+def checked(message) -> tuple:
+    """``message`` if it has the shape of an outcome (report.py's); otherwise a refusal."""
+    if not isinstance(message, tuple) or not message or message[0] not in ("passed", "skipped", "error"):
+        return _refused("not an outcome")
+    if message[0] == "passed":
+        if len(message) != 2 or not isinstance(message[1], list) or not all(isinstance(r, dict) for r in message[1]):
+            return _refused("a pass without a list of recorded checks")
+        return message
+    if message[0] == "skipped":
+        return message if len(message) == 2 and isinstance(message[1], str) else _refused("a malformed skip")
+    if len(message) != 6 or not all(isinstance(x, str) for x in message[1:5]) or not isinstance(message[5], bool):
+        return _refused("a malformed failure")
+    return message
+
+
+# --------------------------------------------------------------------------- a grading run's groups
+def run_groups(items, student_dir: str, log=None) -> dict[str, tuple]:
+    """Each exercise's tests in a jail of their own (one exercise's code never shares a process with another's
+    tests); the tests of no exercise (the bench's scaffold checks) in one more. Outcomes by node id."""
+    log = log or (lambda line: print(line, flush=True))
+    groups: dict[str, list] = {}
+    for item in items:
+        marker = item.get_closest_marker("exercise")
+        groups.setdefault(marker.args[0] if marker else "", []).append(item)
+    jail = Jail(Path(student_dir))
+    outcomes: dict[str, tuple] = {}
+    try:
+        for name, group in groups.items():
+            log(f"\njail: {name or 'the bench'}: {len(group)} test(s)")
+            outcomes.update(jail.run([item.nodeid for item in group], _deadline(group), log))
+    finally:
+        jail.close()
+    return outcomes
+
+
+def _deadline(items) -> float:
+    """The group's hard cap: its tests' own timeouts (pytest-timeout's, marker or ini) and a minute to start."""
+    total = 60.0
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        ini = item.config.getini("timeout") if "timeout" in item.config._parser._inidict else 300
+        total += float(marker.args[0]) if marker and marker.args else float(ini or 300)
+    return total
