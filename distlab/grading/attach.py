@@ -5,17 +5,14 @@ in pytest's process (distlab/grading/plugin.py) and, through the rank hook, in e
 """
 from __future__ import annotations
 
-from distlab import hooks, role
+from distlab import hooks
 from distlab.grading import isolation, sandbox
 
 
 def _guard():
-    """Around a template's import: the bench's verdict functions remembered, and, in a rank graded as root,
-    the unprivileged user taken first."""
-    bench = isolation.BenchGuard()
-    if role.is_rank():  # not a test's child (verdict.py): it may start ranks, which it must be able to end
-        sandbox.drop_privileges()  # a rank graded as root: the learner's code runs as the unprivileged user
-    return bench.restore
+    """Around a template's import: the bench's verdict functions remembered (a teaching message: the walls
+    are the jail's, distlab/grading/jail.py)."""
+    return isolation.BenchGuard().restore
 
 
 def _enter_rank(*scratch: str) -> None:
