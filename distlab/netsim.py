@@ -144,8 +144,9 @@ class Sim:
         alpha = np.where(inter, t.inter_alpha, t.intra_alpha)
         beta = np.where(inter, t.inter_beta * inter_share, t.intra_beta * intra_share)
         identity = len(src) == self.ranks and bool((src == np.arange(self.ranks)).all())
+        ring = identity and bool((dst == np.roll(src, -1)).all())  # one ring over all ranks: slices, no gathers
         unique = out_n.max() <= 1 and in_n.max() <= 1
-        return alpha, beta, unique, identity, src, dst
+        return alpha, beta, unique, "ring" if ring else "identity" if identity else None, src, dst
 
     def step(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray | int, reduce: bool, key: object) -> None:
         """Every message ``src[i] -> dst[i]`` of ``nbytes[i]`` (or all of ``nbytes``), at once; ``reduce``:
@@ -155,28 +156,33 @@ class Sim:
         if key not in self._links:
             self._links[key] = self._link(src, dst)
             self._bytes[key] = np.zeros(len(src), dtype=np.int64)
-        alpha, beta, unique, identity, src, dst = self._links[key]
+        alpha, beta, unique, shape, src, dst = self._links[key]
         self.steps += 1
         if np.ndim(nbytes) == 0 and nbytes <= 0:
             return  # p2p skips empty tensors: no message, no alpha
         ready = self.ready
-        r_src, r_dst = (ready if identity else ready[src]), ready[dst]
+        r_src = ready if shape else ready[src]
+        r_dst = np.concatenate((ready[1:], ready[:1])) if shape == "ring" else ready[dst]
         land = np.maximum(r_src, r_dst)  # a send goes into a posted receive: both ends ready, then the wire
         land += alpha
         land += nbytes * beta
         done = land + self.topo.gamma * nbytes if reduce and self.topo.gamma else land
-        if np.ndim(nbytes):  # an empty message changes nobody's clock
+        if np.ndim(nbytes) and not nbytes.all():  # an empty message changes nobody's clock
             live = nbytes > 0
             land, done = np.where(live, land, r_src), np.where(live, done, r_dst)
             self.messages += int(np.count_nonzero(live))
         else:
-            self.messages += len(src)
+            self.messages += len(src) if np.ndim(nbytes) == 0 else len(nbytes)
         if unique:  # the lessons' patterns: at most one send and one receive per rank and step
-            if identity:
+            if shape:
                 np.maximum(ready, land, out=ready)
             else:
                 ready[src] = np.maximum(r_src, land)
-            ready[dst] = np.maximum(ready[dst], done)
+            if shape == "ring":  # rank i + 1 receives message i
+                np.maximum(ready[1:], done[:-1], out=ready[1:])
+                ready[0] = max(ready[0], done[-1])
+            else:
+                ready[dst] = np.maximum(ready[dst], done)
         else:
             np.maximum.at(ready, src, land)
             np.maximum.at(ready, dst, done)

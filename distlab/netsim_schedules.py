@@ -54,7 +54,12 @@ def _ring_steps(sim: Engine, rings: np.ndarray, chunks: np.ndarray, offset: int,
     pos, row, key = np.arange(w), np.arange(r)[:, None], (tag, rings.shape, hash(rings.tobytes()))
     uniform = (chunks == chunks.flat[0]).all()  # W divides N: one size for every message, no indexing
     for step in range(w - 1):
-        nbytes = int(chunks.flat[0]) if uniform else chunks[row, (pos - step - offset) % w].ravel()
+        if uniform:
+            nbytes = int(chunks.flat[0])
+        elif r == 1:  # member i sends chunk i - k: the chunk sizes rolled by k
+            nbytes = np.roll(chunks[0], step + offset)
+        else:
+            nbytes = chunks[row, (pos - step - offset) % w].ravel()
         sim.step(src, dst, nbytes, reduce, key=key)
 
 
