@@ -50,6 +50,20 @@ MEGATRON_TABLE1 = (
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
 )
 VOCAB, SEQ = 51200, 2048
+# Rows where the planner's best layout beats the paper's by more than 5 % in this model, and
+# why. In each it trades tensor parallelism for more, interleaved pipeline stages: its TP
+# all-reduces (6 per block, exposed) and the element-wise work TP leaves replicated (the 10 sbh
+# of Korthikanti et al.) cost more here than a bubble of (p-1)/(v m) with v = 5-6 chunks. The
+# paper chose TP first by its heuristic (section 3.3: tensor parallelism up to the GPUs of a
+# node, then pipeline stages); what this model leaves out all goes against the planner's picks:
+# v x more, smaller stage-to-stage sends that each synchronise two stages (counted as bandwidth
+# only), and memory 62-79 GB of 80 with no CUDA context, NCCL buffers or fragmentation counted.
+DISAGREEMENTS = {
+    7.5: "TP1 PP2 v6 (62 GB): no TP all-reduces; 1F1B over 2 stages, 6 chunks, bubble 2 %",
+    18.4: "TP1 PP4 v5 (79 GB, at the edge of 80): no TP all-reduces, the bubble 3/(5 x 16) = 4 %",
+    39.1: "TP2 PP8 v6: 2-way TP's all-reduces are a quarter of 8-way's replicated element-wise share",
+    145.6: "TP4 PP16 v5: half the TP degree, a 3 % bubble; 5.7 % ahead, just past the 5 % bar",
+}
 
 
 @dataclass(frozen=True)
