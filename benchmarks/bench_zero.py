@@ -38,9 +38,11 @@ Process memory (``process peak`` rows): each contender alone in fresh processes 
 built, stepped and dropped once, then built again and stepped twice; then per step the peak
 resident set above the resident set before that build, glibc returning every block over 64 KiB
 when freed. It counts what tensors do not: a backend's buffers (gloo copies a collective's input
-or output while it runs) and the allocator's. Ours ZeRO-3 overlapping its collectives (its
-defaults) measured 1.07x FSDP2's at W=2 and 1.13x at W=4 by this measure, with equal tensor peaks:
-a reduce-scatter in flight during the next unit's backward holds gloo's copy of a unit's gradient.
+or output while it runs) and the allocator's. Ours ZeRO-3 overlapping its collectives
+(``overlap_comm=True``, its default on a GPU) measured 1.14x-1.15x FSDP2's at W=2 and 1.26x-1.28x at
+W=4 by this measure, with equal tensor peaks: a reduce-scatter in flight during the next unit's
+backward holds gloo's copy of a unit's gradient. Hence its default on a CPU, ``overlap_comm=False``
+(default units otherwise): 0.96x at W=2, 0.92x-0.95x at W=4 (2 launches each, issue 33).
 
 Memory: one meter for all, ``LiveTensorBytes``: every tensor storage alive in the process,
 each once, sampled after every op and storage resize. Before the timed contenders exist, each
@@ -423,8 +425,9 @@ def _memory_note(result: dict) -> str:
                              f"({split(so)}); torch's {format_bytes(pt)} at {at} ({split(st)})")
     if defaults:
         defaults = [f"ours with its defaults (ZeRO-1/2: one 25 MiB bucket, so AdamW's temporaries span this rank's "
-                    f"chunk of the whole model; ZeRO-2/3: two reduce-scatters in flight; ZeRO-3: proj, norm and "
-                    f"head are units too), peak / torch's: {'; '.join(defaults)}"]
+                    f"chunk of the whole model; ZeRO-2: two reduce-scatters in flight; ZeRO-3: on a CPU each "
+                    f"collective waited for, overlap_comm's default there; proj, norm and head are units too), "
+                    f"peak / torch's: {'; '.join(defaults)}"]
     return "; ".join(defaults + above)
 
 
