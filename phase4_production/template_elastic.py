@@ -140,8 +140,9 @@ class FlatShardedAdam(torch.optim.Optimizer):
     Gradients must already be averaged over the ranks (all-reduce before ``step``).
     The same update as ``torch.optim.Adam`` (no weight decay), element for element, with each
     parameter group's own ``lr``, ``betas`` and ``eps``. The moments live in ``self.state`` as
-    torch's do: ``state[p]`` holds the part of p inside my slice (1-D), so ``state_dict()``
-    and ``load_state_dict()`` carry them; ``state_dict()`` adds my range, rank and world size,
+    torch's do: ``state[p]`` holds the part of p inside my slice (1-D; empty where my slice misses
+    p: after a step every rank has state for every parameter, the keys of torch's Adam, whatever
+    its rank), so ``state_dict()`` and ``load_state_dict()`` carry them; ``state_dict()`` adds my range, rank and world size,
     and a load checks them (a slice saved by another rank or at another W is refused: reshard
     it with ``shard_state_dict``/``load_shards``); a per-parameter state (``torch.optim.Adam``'s)
     loads as my part of each tensor.
@@ -159,10 +160,12 @@ class FlatShardedAdam(torch.optim.Optimizer):
         self.numel = sum(p.numel() for p in self.params)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.start, self.end = shard_range(self.numel, self.rank, self.world_size)
-        # (param, its first flat index, [lo, hi) of my slice inside it): the params my slice touches
+        # (param, its first flat index, [lo, hi) of my slice inside it), for every param: one my slice
+        # misses gets an empty range, and state with empty moments, so that every rank's state_dict()
+        # has the keys torch.optim.Adam's has (as FSDP2's sharded state: every parameter, a local part)
         offsets = [0, *itertools.accumulate(p.numel() for p in self.params)]
-        self._mine = [(p, a, max(self.start, a) - a, min(self.end, b) - a)
-                      for p, a, b in zip(self.params, offsets, offsets[1:]) if max(self.start, a) < min(self.end, b)]
+        self._mine = [(p, a, lo, max(min(self.end - a, p.numel()), lo))
+                      for p, a in zip(self.params, offsets) for lo in [min(max(self.start - a, 0), p.numel())]]
 
     def _moments(self, p: torch.Tensor, n: int) -> dict:
         if not self.state[p]:  # torch's Adam layout: a float32 step tensor, moments like (my part of) p

@@ -386,6 +386,30 @@ def test_shard_range_covers_every_element_once():
                          f"numel {numel} W {w}: {ranges} must cover 0..{numel - 1} once, in order")
 
 
+def _worker_flat_adam_keys(rank, world_size):
+    FlatShardedAdam = load(PHASE, "elastic", impl="solutions").FlatShardedAdam  # bench code, no TODO
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 2))  # 24 + 4 + 8 + 2 elements
+    opt, torch_adam = FlatShardedAdam(model.parameters()), torch.optim.Adam(model.parameters())
+    F.mse_loss(model(torch.ones(3, 6)), torch.zeros(3, 2)).backward()
+    opt.step()
+    torch_adam.step()
+    state, torch_state = opt.state_dict()["state"], torch_adam.state_dict()["state"]
+    return ({i: sorted(st) for i, st in state.items()}, {i: sorted(st) for i, st in torch_state.items()},
+            {i: (float(st["step"]), st["exp_avg"].numel()) for i, st in state.items()})
+
+
+def test_flat_sharded_adam_state_keys_match_torch_adam_on_every_rank():
+    # W=3 over 38 elements: slices [0, 13), [13, 26), [26, 38); rank 0's touches parameter 0 only,
+    # rank 1's parameters 0-1, rank 2's 1-3. The keys must not say which: torch's Adam has all four.
+    results = run_distributed(_worker_flat_adam_keys, 3)
+    for rank, (keys, torch_keys, steps_and_sizes) in enumerate(results):
+        assert_equal(keys, torch_keys, f"rank {rank}: FlatShardedAdam's state_dict()['state'] keys (index: entries) "
+                                       f"must be torch.optim.Adam's, whatever the rank: {keys} vs {torch_keys}")
+        assert_equal({s for s, _ in steps_and_sizes.values()}, {1.0}, f"rank {rank}: every parameter's step")
+    sizes = [[n for _, n in r[2].values()] for r in results]  # sharded, not replicated: 38 elements in all
+    assert_equal([sum(col) for col in zip(*sizes)], [24, 4, 8, 2], f"moments per parameter over the ranks: {sizes}")
+
+
 # --------------------------------------------------------------------------- 4.7 heartbeat
 def _worker_heartbeat(rank, world_size, store_path):
     elastic = load(PHASE, "elastic")
