@@ -50,6 +50,9 @@ import torch.distributed as dist  # noqa: E402
 from distlab import doctor, p2p, spawn, trace
 from distlab.devices import DEVICE_ENV, free_port, loopback_interface, resolve_backend, resolve_device
 from distlab.procs import TIE_ENV, die_with_parent, tie_to
+# Moved to distlab.spawn, still importable from here for scripts written before the split:
+# `from distlab.launch import run_distributed` (spawn never imports launch: no cycle).
+from distlab.spawn import RankError, run_distributed  # noqa: E402,F401 (re-exported)
 
 
 @dataclass(frozen=True)

@@ -132,3 +132,11 @@ def test_the_check_sees_deferred_relative_and_string_imports(tmp_path):
     assert graph["distlab.grading.verdict"] == {"distlab.a": 1}
     assert cycles(graph) == [["distlab.a", "distlab.b"]]
     assert bench_imports_of_grading(graph) == ["distlab/c.py:2 imports distlab.grading.verdict"]
+
+
+def test_names_that_left_launch_still_import_from_it():
+    """``run_distributed`` moved from distlab.launch to distlab.spawn: the old import keeps working (issue 33)."""
+    import distlab.spawn as spawn
+    from distlab.launch import RankError, run_distributed
+    assert (run_distributed, RankError) == (spawn.run_distributed, spawn.RankError)
+    assert "distlab.launch" not in import_graph(REPO)["distlab.spawn"], "spawn imports launch: a cycle"
