@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 from distlab import load
 from distlab.comm import CommLedger
-from distlab.netsim import ALGORITHMS, Topology, alpha_beta_seconds, collective_seconds, simulate
+from distlab.netsim import ALGORITHMS, Sim, Topology, alpha_beta_seconds, collective_seconds, simulate
 from distlab.netsim_report import RESULTS, hierarchical_bench
 from distlab.spawn import run_distributed
 from distlab.testing import assert_equal
@@ -80,6 +81,16 @@ def test_one_flat_link_matches_the_alpha_beta_forms(ranks):
             got = simulate(op, nbytes, ranks, topo, algorithm).seconds
             # same sums in another order: float rounding only
             assert got == pytest.approx(want, rel=1e-9), f"{op}/{algorithm}, W={ranks}: {got} vs {want}"
+
+
+def test_a_message_waits_for_its_receiver_and_an_empty_one_costs_nothing():
+    alpha, beta = 1e-3, 1e-6
+    sim = Sim(3, Topology(ranks_per_node=3, intra_alpha=alpha, intra_beta=beta))
+    sim.step(np.array([0]), np.array([1]), np.array([1000]), False, key="0->1")  # rank 0 busy until 2e-3
+    sim.step(np.array([2]), np.array([0]), np.array([10]), False, key="2->0")  # 2 waits for 0's posted receive
+    assert sim.ready.tolist() == pytest.approx([2e-3 + alpha + 10 * beta, 2e-3, 2e-3 + alpha + 10 * beta])
+    sim.step(np.array([1]), np.array([2]), np.array([0]), False, key="1->2")  # skipped, as p2p skips it
+    assert sim.ready[1] == pytest.approx(2e-3) and sim.messages == 2
 
 
 def test_hierarchical_benchmark_ratio_lies_in_the_measured_iqr():
