@@ -34,15 +34,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distlab.comm import all_gather_single, reduce_scatter_single  # noqa: F401 (all_gather_single: for TODO 3.17; reduce_scatter_single: for TODO 3.18b)
-from distlab.lessons.flat_shards import (Unit, alloc_storage, cast_floating, default_units, free_storage, keep_full_precision,  # noqa: F401 (alloc_storage: for TODO 3.17)
-                                 load_named_shard_state_dict, named_shard_state_dict, replace_parameters,
-                                 replicated_parameters, shard_unit)
+from distlab.lessons.clipping import global_norm_grad
+from distlab.lessons.flat_shards import (TorchModuleAPI, Unit, alloc_storage, cast_floating, default_units, free_storage,  # noqa: F401 (alloc_storage: for TODO 3.17)
+                                 keep_full_precision, replace_parameters, replicated_parameters, shard_unit)
 from distlab.meters import MemoryMeter, OverlapMeter, nbytes
 from distlab.lessons.sync import NoSyncMixin, allreduce_gradients, broadcast_module, group_root
 from distlab.todo import todo
 
 
-class FullyShardedDataParallel(NoSyncMixin, nn.Module):
+class FullyShardedDataParallel(TorchModuleAPI, NoSyncMixin, nn.Module):
     """ZeRO-3: parameters, gradients and optimizer state sharded over ``group``.
 
     Args:
@@ -70,7 +70,10 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
     After backward (backwards accumulate, as in torch): ``flat_shard.grad`` is my chunk of the
     unit's flattened mean gradient over ranks, shaped like the shard (zeros in the padding), in
     its dtype (fp32; fp64 models: fp64); a replicated parameter's ``.grad`` is its whole mean
-    gradient, its own shape and dtype; a frozen one's stays None.
+    gradient, its own shape and dtype; a frozen one's stays None. A norm of a ``flat_shard.grad`` is the
+    whole unit's (a collective, as FSDP2's DTensors): ``torch.nn.utils.clip_grad_norm_(fsdp.parameters(),
+    ...)`` on every rank clips by the global norm, as does ``fsdp.clip_grad_norm_`` (FSDP1's spelling). A
+    parameter no rank used is not stepped (torch: its ``.grad`` stays None; distlab/lessons/clipping.py).
     Equivalent to: any torch optimizer on the single-process ``model.parameters()``, global batch.
     Collective: construction, every forward and backward on all ranks of ``group``.
     Cost: 3 Psi (W-1)/W bytes per rank per step (1.5x DDP); memory (2 + 2 + K) Psi / W at rest.
@@ -178,6 +181,7 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
     @torch.no_grad()
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         self.overlap.hook()
+        self._unused.used(p)  # not stepped if no rank used it (flat_shards: around every optimizer step)
         u, j = self._where[p]
         u.ready.add(j)  # p.grad stays where autograd put it (p's shape and dtype) until u's backward is over
         if len(u.ready) == len(u.params):
@@ -233,7 +237,7 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
         handle, out = u.handle
         handle.wait()
         out /= self.world_size
-        u.shard.grad = out if u.shard.grad is None else u.shard.grad.add_(out)
+        u.shard.grad = global_norm_grad(out, self.group) if u.shard.grad is None else u.shard.grad.add_(out)
         u.grad_full, u.handle = None, None
 
     def _end_backward(self) -> None:
@@ -268,20 +272,6 @@ class FullyShardedDataParallel(NoSyncMixin, nn.Module):
     # ------------------------------------------------------------------ training API
     def forward(self, *args, **kwargs):  # floating inputs meet the gathered weights in their dtype
         return self.module(*cast_floating(args, self.compute_dtype), **cast_floating(kwargs, self.compute_dtype))
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        self.require_sync = bool(requires_gradient_sync)  # FSDP2's name for leaving no_sync()
-
-    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        return named_shard_state_dict(self, destination, prefix, keep_vars)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return load_named_shard_state_dict(self, state_dict, strict)
-
-    def step(self) -> None:  # with optimizer_cls (zero_grad is nn.Module's: it clears every .grad)
-        if self.optimizer is None:
-            raise RuntimeError("built without optimizer_cls: step the optimizer you built on fsdp.parameters()")
-        self.optimizer.step()
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now for sharded parameters (+ any gathered), gradients, optimizer state."""

@@ -27,8 +27,9 @@ Peak gradient bytes per rank in stage 2: the 1/W chunks + the bucket being fille
 (asserted by the tests with ``self.memory``, sampled at every hook). Cost per step: stage 1: all-reduce
 |grads| + all-gather |params| (3 Psi in a ring, 1.5x DDP); stage 2: reduce-scatter + all-gather = 2 Psi,
 the same as DDP's all-reduce. Several backwards before one ``step`` accumulate (stage 2: into the chunks,
-each backward's reduce-scatters finish when it ends). Unused parameters get zero gradients.
-See phase3_multi_node/guidelines_ddp_zero.md#zero-1-optimizer-state-sharded.
+each backward's reduce-scatters finish when it ends). A parameter no rank used is not stepped (torch: its
+``.grad`` is None); clip with ``optimizer.clip_grad_norm_`` (torch's function on ``.grad`` raises: it cannot
+see the global norm; distlab/lessons/clipping.py). See guidelines_ddp_zero.md#zero-1-optimizer-state-sharded.
 
 ZeRO-Offload (given code, distlab/lessons/offload.py): with ``offload_device="cpu"`` the optimizer
 state and step live on the CPU; per step my gradient chunks go there and the updated chunks
@@ -38,23 +39,23 @@ Run: ``RUN_MODE=zero ./entrypoint.sh --stage 2`` (demos/zero.py; stage 3 is fsdp
 """
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.comm import all_gather_single, reduce_scatter_single  # noqa: F401 (all_gather_single: for TODO 3.15; reduce_scatter_single: for TODO 3.16a)
-from distlab.lessons.flat_buckets import (bucket_layout, check_sharded_state, chunk_state_dict, consolidated_state_dict,
-                                  group_params, make_flat_bucket)
+from distlab.comm import all_gather_single, reduce_scatter_single  # noqa: F401 (all_gather_single: for TODO 3.15b; reduce_scatter_single: for TODO 3.16a)
+from distlab.lessons.clipping import (UnusedParameters, ZeroGradViews, chunk_segments, global_norm_grad, guarded_grad,
+                                     zero_clip_message)
+from distlab.lessons.flat_buckets import FlatStateDicts, bucket_layout, group_params, make_flat_bucket
 from distlab.meters import MemoryMeter, OverlapMeter, nbytes
 from distlab.lessons.offload import OffloadedShards
 from distlab.lessons.sync import broadcast_buffers_in_forward, broadcast_tensors
 from distlab.todo import todo
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
+class ZeroOptimizer(FlatStateDicts, ZeroGradViews, torch.optim.Optimizer):
     """Any ``torch.optim`` optimizer, with its state (stage 1) and gradients (stage 2) sharded.
 
     Args:
@@ -70,8 +71,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             torch's DDP does (``distlab.lessons.sync.broadcast_buffers_in_forward``). None: each rank keeps its own.
         **defaults: passed to ``optimizer_class`` (lr, weight_decay, ...).
 
-    ``param_groups``/``state`` are the inner optimizer's (my chunks): LR schedulers work.
-    ``state_dict()``: my chunks' state with rank, world size and layout (checked on load); after
+    ``param_groups``/``state`` are the inner optimizer's (my chunks): LR schedulers work. State dicts
+    (distlab/lessons/flat_buckets.py's ``FlatStateDicts``): ``state_dict()``: my chunks' state with rank, world size and layout (checked on load); after
     ``consolidate_state_dict(to=0)`` rank 0's is torch's per-parameter format (ZeroRedundancyOptimizer's
     only one), which loads at any world size and into a plain torch optimizer.
     Equivalent to: DDP + ``optimizer_class(params, **defaults)``; stage 1 is
@@ -111,8 +112,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             inner_groups = self._offloaded.param_groups(inner_groups)
         self.optimizer = optimizer_class(inner_groups, **defaults)
         self._buffer_hooks = [] if module is None else broadcast_buffers_in_forward(module, group)  # DDP's job
+        inner = [t for g in self.optimizer.param_groups for t in g["params"]]  # bucket i <-> inner parameter i
+        self._unused = UnusedParameters({t: chunk_segments(b.params, b.offsets, self.rank, self.world_size)
+                                         for t, b in zip(inner, self.buckets)})  # skipped in the inner step:
+        self.optimizer.register_step_post_hook(lambda o, *_: self._unused.after_step(o))  # before offload's copy back
         if self._offloaded is not None:
             self._offloaded.attach(self.optimizer)
+        self.optimizer.register_step_pre_hook(lambda o, *_: self._unused.before_step(o))  # after offload's grads
+        self._clip_message, self._averaged = zero_clip_message(stage), False
         super().__init__(self.optimizer.param_groups, self.optimizer.defaults)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state  # one source
         self._where = {p: (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
@@ -122,26 +129,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # Gradients live in flat buffers too: autograd accumulates into these views in place.
             self.grad_flats = [torch.zeros_like(b.flat) for b in self.buckets]
             self._collect_stage1_grads()
+            for p in self._where:
+                p.register_post_accumulate_grad_hook(self._on_stage1_grad)
         else:
             self._pending: list[torch.Tensor | None] = [None] * len(self.buckets)  # full grads in flight
             self._ready: list[set[int]] = [set() for _ in self.buckets]
             self._handles: list[tuple[dist.Work, torch.Tensor] | None] = [None] * len(self.buckets)
             self._next, self._in_backward = 0, False
             for p in self._where:
+                p.register_hook(lambda g, p=p: self._drop_stand_in(p))  # before autograd accumulates into it
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     # ------------------------------------------------------------------ bookkeeping (pre-written)
-    def _collect_stage1_grads(self) -> None:
-        """Point every p.grad back at its flat view (``set_to_none`` or ``model.zero_grad()`` drop it)."""
-        for b, g in zip(self.buckets, self.grad_flats):
-            for p, start in zip(b.params, b.offsets):
-                view = g[start:start + p.numel()].view_as(p)
-                if p.grad is None:
-                    view.zero_()
-                elif p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)  # accumulated since the last set_to_none: the whole gradient
-                p.grad = view
-
     def _sample(self) -> None:
         held = self.memory_bytes()
         held["grads"] += sum(nbytes(t) for t in getattr(self, "_pending", []))  # full buckets alive
@@ -159,7 +158,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._pending[i] = torch.zeros_like(bucket.flat)
         start = bucket.offsets[j]
         self._pending[i][start:start + p.numel()].copy_(p.grad.reshape(-1))
-        p.grad = None  # the full gradient is not kept: that is stage 2's saving
+        p.grad = guarded_grad(None, p, self._clip_message)  # not kept: stage 2's saving (a 0-byte stand-in)
+        self._unused.used(p)
         self._ready[i].add(j)
         self._launch_ready()
         self._sample()
@@ -208,6 +208,39 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ both stages
     @torch.no_grad()
+    def _average(self) -> None:
+        """Stage 1, once per step (in ``step``, or earlier in ``clip_grad_norm_``). Collective."""
+        self._collect_stage1_grads()
+        # --- TODO 3.15a: average the flat gradients ---
+        # Goal: average each flat gradient over the ranks, in place (the model's .grads are views of
+        # them), and give each shard its chunk of it as gradient. Collective: every rank, every
+        # bucket, in the same order.
+        raise todo("3.15a average the flat gradients", "guidelines_ddp_zero.md#zero-1-optimizer-state-sharded")
+        # --- end TODO 3.15a ---
+        self._averaged = True
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """Clip the averaged gradient by its global norm; return that norm (on every rank).
+
+        Equivalent to: DDP + ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` (stage 1:
+        the same function on the averaged gradients, bitwise). Collective: every rank, between the
+        last backward and ``step``. Cost: stage 1 averages here (``step`` then does not); stage 2
+        all-reduces one number per call.
+        """
+        if self.stage == 1:
+            if not self._averaged:
+                self._average()
+            grads, params = [self._grad_view(p) for p in self._index if p in self._where], list(self._where)
+        else:  # my chunks: a norm of each is the norm of the whole bucket (collective)
+            grads = [global_norm_grad(s.grad, self.group) for s in self.shards if s.grad is not None]
+            params = self.shards
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+        return total
+
+    @torch.no_grad()
     def step(self, closure=None) -> None:
         """Average the gradients, update this rank's chunks, all-gather the parameters.
 
@@ -216,19 +249,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:  # a closure would re-run forward/backward: collectives inside a step
             raise ValueError("ZeroOptimizer.step takes no closure: call backward, then step()")
         self._consolidated = None  # a consolidated state is a snapshot: this step makes it stale
-        if self.stage == 1:
-            self._collect_stage1_grads()
-        # --- TODO 3.15: sharded optimizer step ---
-        # Goal: (stage 1 only) average each flat gradient over the ranks and give each shard its
-        # chunk of it as gradient; then (both stages) update only this rank's chunks, and make
-        # every rank's full buckets (the model's parameters are views of them) hold everyone's
-        # updated chunks. Collective: every rank, every bucket, in the same order.
-        raise todo("3.15 sharded optimizer step", "guidelines_ddp_zero.md#zero-1-optimizer-state-sharded")
-        # --- end TODO 3.15 ---
+        if self.stage == 1 and not self._averaged:
+            self._average()
+        # --- TODO 3.15b: sharded optimizer step ---
+        # Goal: update only this rank's chunks (their .grad: my chunk of the mean), and make every
+        # rank's full buckets (the model's parameters are views of them) hold everyone's updated
+        # chunks. Collective: every rank, every bucket, in the same order.
+        raise todo("3.15b sharded optimizer step", "guidelines_ddp_zero.md#zero-1-optimizer-state-sharded")
+        # --- end TODO 3.15b ---
+        self._averaged = False
+        for p in self._where if self.stage == 2 else ():
+            p.grad = None  # the stand-ins
         self._sample()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Stage 1: zero the flat gradients (kept: autograd accumulates into them); stage 2: the chunks."""
+        self._averaged = False
         if self.stage == 1:
             for g in self.grad_flats:
                 g.zero_()
@@ -239,35 +275,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             elif s.grad is not None:
                 s.grad.zero_()
 
-    # ------------------------------------------------------------------ state dicts (pre-written)
-    def state_dict(self) -> dict[str, Any]:
-        """After ``consolidate_state_dict(to=this rank)`` and no step since: every parameter's state in
-        torch's format; otherwise this rank's chunk state, with ``"zero"``: rank, world size, layout."""
-        if self._consolidated is not None:
-            return self._consolidated
-        meta = dict(rank=self.rank, world_size=self.world_size, stage=self.stage, layout=self._layout)
-        return {**self.optimizer.state_dict(), "zero": meta}  # live tensors, as torch's state_dict()
-
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every rank's chunk state on group rank ``to``, whose next ``state_dict()`` returns it
-        per parameter (torch's format, on the CPU), as torch's ``ZeroRedundancyOptimizer`` does.
-        Collective: every rank of ``group``. Cost: K Psi (W-1)/W bytes into ``to``."""
-        self._consolidated = consolidated_state_dict(self.optimizer.state_dict(), self.buckets, self._index,
-                                                     self._given, to, self.group)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # after the model's (offload: copied)
-        """A sharded state (checked: same rank, world size and layout, else a ValueError saying what
-        differs) or a per-parameter one (consolidated, or any torch optimizer's on the same parameters)."""
-        if "zero" in state_dict:
-            check_sharded_state(state_dict["zero"], self.rank, self.world_size, self._layout)
-            inner = {k: v for k, v in state_dict.items() if k != "zero"}
-        else:  # my chunks of every parameter's state
-            inner = chunk_state_dict(state_dict, self.buckets, self._index, self._given, self.optimizer.param_groups)
-        self.optimizer.load_state_dict(inner)
-        # torch's load_state_dict gives the inner optimizer new param_groups and state objects:
-        # point at them again, or an LR scheduler on this optimizer stops reaching the inner one.
-        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
-
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now for parameters, gradients and optimizer state (trainable only)."""
         params = sum(nbytes(b.flat) for b in self.buckets)
@@ -277,11 +284,3 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._offloaded is not None:  # nothing on the model's device; copies, gradients, state offloaded
             return {"params": params, "grads": grads, "optimizer": 0, "offloaded": self._offloaded.nbytes() + state}
         return {"params": params, "grads": grads, "optimizer": state}
-
-    def sharded_state_dict(self) -> dict[str, Any]:  # a snapshot of this rank's chunk state, with its layout
-        consolidated, self._consolidated = self._consolidated, None
-        state, self._consolidated = copy.deepcopy(self.state_dict()), consolidated
-        return state
-
-    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
-        self.load_state_dict(state)

@@ -9,9 +9,11 @@ Guide: phase3_multi_node/guidelines_ddp_zero.md#zero-1-optimizer-state-sharded.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -163,11 +165,7 @@ def shard_flat_state(state: dict[int, dict], buckets: list[FlatBucket], index: d
         have = [index[p] in state for p in b.params]
         if not any(have):
             continue
-        if not all(have):
-            p = b.params[have.index(False)]
-            raise ValueError(f"optimizer state has none for {names[p]} (index {index[p]}) but has some for the "
-                             f"parameters flattened with it: load a state saved after a step that updated all of them")
-        first = state[index[b.params[0]]]
+        first = state[index[b.params[have.index(True)]]]  # one without state (torch: never stepped): zeros
         out[i] = {}
         for key, value in first.items():
             if not (torch.is_tensor(value) and value.dim() > 0):
@@ -175,10 +173,60 @@ def shard_flat_state(state: dict[int, dict], buckets: list[FlatBucket], index: d
                 continue
             flat = torch.zeros(b.flat.numel(), dtype=value.dtype, device=value.device)
             for p, start in zip(b.params, b.offsets):
-                t = state[index[p]][key]
+                t = state.get(index[p], {}).get(key, torch.zeros(p.shape, dtype=value.dtype))
                 if tuple(t.shape) != tuple(p.shape):
                     raise ValueError(f"optimizer state {key!r} of {names[p]} (index {index[p]}) has shape "
                                      f"{tuple(t.shape)}, the parameter {tuple(p.shape)}: a state of another model")
                 flat[start:start + p.numel()].copy_(t.reshape(-1))
             out[i][key] = b.chunk(flat).clone()
     return out
+
+
+class FlatStateDicts:
+    """ZeroOptimizer's state dicts (phase3_multi_node/zero.py): its ``optimizer`` (on the chunks),
+    ``buckets``, ``_index``, ``_given``, ``_where``, ``_layout``, ``_unused`` and ``_consolidated``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """After ``consolidate_state_dict(to=this rank)`` and no step since: every parameter's state in
+        torch's format; otherwise this rank's chunk state, with ``"zero"``: rank, world size, layout."""
+        if self._consolidated is not None:
+            return self._consolidated
+        meta = dict(rank=self.rank, world_size=self.world_size, stage=self.stage, layout=self._layout,
+                    updated=[bool(self._unused.updated[p]) for p in self._where])  # stepped by this rank yet
+        return {**self.optimizer.state_dict(), "zero": meta}  # live tensors, as torch's state_dict()
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's chunk state on group rank ``to``, whose next ``state_dict()`` returns it
+        per parameter (torch's format, on the CPU), as torch's ``ZeroRedundancyOptimizer`` does: a
+        parameter no rank ever stepped (unused) has no state, as in torch.
+        Collective: every rank of ``group``. Cost: K Psi (W-1)/W bytes into ``to``."""
+        never = {self._index[p] for p in self._unused.never_updated(self._where, self.group)}
+        state = consolidated_state_dict(self.optimizer.state_dict(), self.buckets, self._index, self._given, to,
+                                        self.group)
+        if state is not None:
+            state["state"] = {i: s for i, s in state["state"].items() if i not in never}
+        self._consolidated = state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # after the model's (offload: copied)
+        """A sharded state (checked: same rank, world size and layout, else a ValueError saying what
+        differs) or a per-parameter one (consolidated, or any torch optimizer's on the same parameters)."""
+        if "zero" in state_dict:
+            check_sharded_state(state_dict["zero"], self.rank, self.world_size, self._layout)
+            inner = {k: v for k, v in state_dict.items() if k != "zero"}
+            flags = dict(zip(self._where, state_dict["zero"].get("updated", [True] * len(self._where))))
+            self._unused.loaded(lambda p: flags[p])
+        else:  # my chunks of every parameter's state
+            inner = chunk_state_dict(state_dict, self.buckets, self._index, self._given, self.optimizer.param_groups)
+            self._unused.loaded(lambda p: self._index[p] in state_dict["state"])
+        self.optimizer.load_state_dict(inner)
+        # torch's load_state_dict gives the inner optimizer new param_groups and state objects:
+        # point at them again, or an LR scheduler on this optimizer stops reaching the inner one.
+        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
+
+    def sharded_state_dict(self) -> dict[str, Any]:  # a snapshot of this rank's chunk state, with its layout
+        consolidated, self._consolidated = self._consolidated, None
+        state, self._consolidated = copy.deepcopy(self.state_dict()), consolidated
+        return state
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        self.load_state_dict(state)

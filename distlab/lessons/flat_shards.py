@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from distlab.comm import all_gather_single
+from distlab.lessons.clipping import ModuleClipGradNorm, UnusedParameters, chunk_segments
 
 
 @dataclass(eq=False)
@@ -141,6 +142,8 @@ def replace_parameters(model: nn.Module, units: list, owner: Any) -> None:
     ``owner._optimizers``, a WeakSet) and when (it calls ``owner._sample()`` after each step).
     """
     owner._optimizers = weakref.WeakSet()
+    owner._unused = UnusedParameters({u.shard: chunk_segments(u.params, u.offsets, owner.rank, owner.world_size)
+                                      for u in units})  # what no rank used: not stepped
     owner._state_names = list(model.state_dict(keep_vars=True))  # the single-process order, for state_dict()
     where = {m: n for n, m in model.named_modules()}
     for u in units:
@@ -172,10 +175,12 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
                                f"wrapping, on fsdp.parameters()")
     for owner in _owners(optimizer):
         owner._optimizers.add(optimizer)  # so its memory_bytes() counts this optimizer's state
+        owner._unused.before_step(optimizer)  # what no rank used is put back after the step
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for owner in _owners(optimizer):
+        owner._unused.after_step(optimizer)
         owner._sample()  # the optimizer state the step may just have created
 
 
@@ -316,6 +321,8 @@ def optimizer_state_dict(fsdp: nn.Module, optimizer: torch.optim.Optimizer, full
                         entry[key] = v[at:at + hi - lo].clone()
                 state[name] = entry
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": _in_model_order(fsdp, names)})
+    if full:  # a parameter no rank ever stepped has no state in torch (collective)
+        state = fsdp._unused.drop_never_updated(state, fsdp.units, fsdp.group)
     out = {"state": {n: state[n] for n in _in_model_order(fsdp, state)}, "param_groups": groups}
     if not full:
         out["fsdp"] = {"rank": fsdp.rank, "world_size": fsdp.world_size,
@@ -349,14 +356,14 @@ def load_optimizer_state_dict(fsdp: nn.Module, optimizer: torch.optim.Optimizer,
                              f"into one with {names}: build the optimizer's groups as when it was saved")
         for unit, unit_names in params:
             saved = [state_dict["state"].get(n) for n in unit_names]
-            if saved[0] is not None:
+            if any(s is not None for s in saved):  # one without state (torch: never stepped): zeros
                 entry = {}
-                for key, v in saved[0].items():
+                for key, v in next(s for s in saved if s is not None).items():
                     if unit is None or not torch.is_tensor(v) or v.dim() == 0:  # a whole parameter's; a step count
                         entry[key] = v.clone() if torch.is_tensor(v) else v
                         continue
                     chunk = torch.zeros_like(unit.shard)  # the padding's moments are zero
-                    for name, s in zip(unit_names, saved):
+                    for name, s in [(n, s) for n, s in zip(unit_names, saved) if s is not None]:
                         _, at, lo, hi, shape = pieces[name]
                         t = s[key].reshape(-1)
                         part = t[lo:hi] if meta is None else t
@@ -370,3 +377,22 @@ def load_optimizer_state_dict(fsdp: nn.Module, optimizer: torch.optim.Optimizer,
         groups.append({**{k: v for k, v in saved_group.items() if k != "params"},
                        "params": list(range(index - len(params), index))})
     optimizer.load_state_dict({"state": inner_state, "param_groups": groups})
+    fsdp._unused.loaded({p: n in state_dict["state"] for u in fsdp.units for p, n in zip(u.params, u.names)}.get)
+
+
+class TorchModuleAPI(ModuleClipGradNorm):  # FullyShardedDataParallel's torch spellings (phase3_multi_node/fsdp.py)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        self.require_sync = bool(requires_gradient_sync)  # FSDP2's name for leaving no_sync()
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        return named_shard_state_dict(self, destination, prefix, keep_vars)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return load_named_shard_state_dict(self, state_dict, strict)
+
+    def step(self) -> None:  # with optimizer_cls (zero_grad is nn.Module's: it clears every .grad)
+        if self.optimizer is None:
+            raise RuntimeError("built without optimizer_cls: step the optimizer you built on fsdp.parameters()")
+        self.optimizer.step()
+

@@ -1,0 +1,256 @@
+"""Pre-written: gradient clipping and unused parameters on the sharded wrappers, as torch users expect.
+
+``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` clips by the norm of the whole
+averaged gradient. Torch's wrappers make the plain call right in two ways: DDP's ``.grad`` holds the
+averaged gradient (every rank computes the same norm), and FSDP2's ``.grad`` is a DTensor whose norm
+is a collective. The course's wrappers (phase3_multi_node/zero.py, fsdp.py):
+
+* ``FullyShardedDataParallel``: ``flat_shard.grad`` is a ``GlobalNormGrad``: a norm of it is the norm
+  of the whole unit's gradient (a collective over the group, as a DTensor's; FSDP2 reduces the same
+  ``local ** p`` partials), so the plain call clips by the global norm. Every rank must call it.
+* ``ZeroOptimizer``: no rank holds what the global norm needs (stage 1: ``.grad`` is this rank's
+  un-averaged gradient until ``step``; stage 2: it was reduce-scattered away). ``.grad`` is a
+  ``GuardedGrad`` (stage 2: a zero-byte stand-in, stride 0): a norm or clamp of it raises at once,
+  naming ``optimizer.clip_grad_norm_``, instead of clipping by a per-rank norm (stage 1) or returning
+  0.0 and clipping nothing (stage 2). Raising at the call, not at ``step``: the traceback points at
+  the line to change, and code that reads ``p.grad`` otherwise (``is None``, shapes, ``zero_``) works.
+
+Unused parameters: torch leaves ``.grad`` None for a parameter no rank used, so AdamW neither decays
+it nor creates state for it. The wrappers' flat chunks hold such a parameter with a zero gradient, and
+the optimizer steps a chunk as a whole: ``UnusedParameters`` puts the elements of a parameter this rank
+did not use back as they were around the step (values and per-element state) when its averaged
+gradient is exactly zero, i.e. no rank used it. No communication and no host sync (``torch.where`` on
+a device flag). Differences left: a parameter used on some rank whose averaged gradient is exactly
+zero on every element of this rank's chunk is skipped here (torch steps it with a zero gradient), and
+a chunk's step count (Adam's bias correction) advances for every parameter in it.
+Guide: phase3_multi_node/guidelines_ddp_zero.md#gradient-clipping-and-unused-parameters.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+_T = torch.Tensor
+NORMS = {torch.linalg.vector_norm, torch.linalg.norm, torch.norm, _T.norm, torch._foreach_norm}
+CLAMPS = {torch.clamp, torch.clamp_, torch.clip, torch.clip_, _T.clamp, _T.clamp_, _T.clip, _T.clip_,
+          _T.clamp_min_, _T.clamp_max_, torch._foreach_clamp_min_, torch._foreach_clamp_max_}
+
+
+def _plain(t: Any) -> Any:
+    return t.as_subclass(torch.Tensor) if isinstance(t, ShardedGrad) else t
+
+
+class ShardedGrad(torch.Tensor):
+    """A gradient tensor that behaves as a plain one, except for what ``_handle`` takes over."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            found = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, cls)]
+            if found and (out := found[0]._handle(func, args, kwargs)) is not NotImplemented:
+                return out
+            return func(*args, **kwargs)  # results are plain tensors (in-place ones: the same object)
+
+    def _handle(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        return NotImplemented
+
+    def __reduce_ex__(self, protocol):  # saved and sent (all_gather_object) as a plain tensor
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.Tensor.__reduce_ex__(_plain(self), protocol)
+
+
+def _ord(func: Callable, args: tuple, kwargs: dict) -> float:
+    """The p of a norm over every element; a ValueError for a norm over some dims."""
+    if func is torch._foreach_norm:
+        return float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    if dim is not None:
+        raise ValueError(f"{func.__name__} over dim={dim} of a sharded gradient (my chunk of a flat unit): "
+                         f"only norms over every element are defined (as clip_grad_norm_ takes them)")
+    p = args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("p", 2))
+    return 2.0 if p in (None, "fro") else float(p)
+
+
+def global_norm(local: torch.Tensor, p: float, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Norms of every rank's parts -> norms of the wholes (elementwise over ``local``). Collective.
+    As DTensor's partial norm: sum of ``local ** p`` (max for inf, min for -inf), then ``** (1/p)``."""
+    if math.isinf(p):
+        out = local.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX if p > 0 else dist.ReduceOp.MIN, group=group)
+        return out
+    out = local if p == 0 else local.pow(p)
+    dist.all_reduce(out, group=group)
+    return out if p == 0 else out.pow(1.0 / p)
+
+
+class GlobalNormGrad(ShardedGrad):
+    """My chunk of a unit's averaged gradient, whose norms are the unit's (collective over ``_group``)."""
+
+    _group: dist.ProcessGroup | None = None
+
+    def _handle(self, func, args, kwargs):
+        if func not in NORMS:
+            return NotImplemented
+        p = _ord(func, args, kwargs)
+        if func is torch._foreach_norm:  # one all-reduce for the list; plain tensors in it are whole already
+            tensors = args[0]
+            local = torch.stack([torch.linalg.vector_norm(_plain(t), p) for t in tensors])
+            sharded = torch.tensor([isinstance(t, GlobalNormGrad) for t in tensors], device=local.device)
+            total = torch.where(sharded, global_norm(torch.where(sharded, local, 0), p, self._group), local)
+            return list(total.unbind())
+        return global_norm(func(_plain(args[0]), *args[1:], **kwargs), p, self._group)
+
+
+def global_norm_grad(grad: torch.Tensor, group: dist.ProcessGroup | None) -> GlobalNormGrad:
+    out = grad.as_subclass(GlobalNormGrad)
+    out._group = group
+    return out
+
+
+class ModuleClipGradNorm:  # FullyShardedDataParallel's (phase3_multi_node/fsdp.py)
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """FSDP1's spelling of ``torch.nn.utils.clip_grad_norm_(fsdp.parameters(), ...)``: clips by the global
+        norm and returns it. Collective: every rank, after backward (the shards' gradient norms are)."""
+        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+class GuardedGrad(ShardedGrad):
+    """A ``.grad`` no per-rank norm can be taken of: norms and clamps raise ``_message``."""
+
+    _message = "this gradient is sharded"
+
+    def _handle(self, func, args, kwargs):
+        if func in NORMS or func in CLAMPS:
+            raise RuntimeError(self._message)
+        if func is _T.zero_ and self.stride() == (0,) * self.dim():  # model.zero_grad(set_to_none=False)
+            return self
+        return NotImplemented
+
+
+def guarded_grad(grad: torch.Tensor | None, like: torch.Tensor, message: str) -> GuardedGrad:
+    """``grad`` (a view, kept), or without one a zero-byte stand-in shaped like ``like``, that raises
+    ``message`` from norms and clamps (``clip_grad_norm_``, ``clip_grad_value_``)."""
+    if grad is None:
+        grad = torch.zeros((), dtype=like.dtype, device=like.device).expand(like.shape)
+    out = grad.as_subclass(GuardedGrad)
+    out._message = message
+    return out
+
+
+def zero_clip_message(stage: int) -> str:
+    why = ("each rank holds its own un-averaged gradient until step()" if stage == 1 else
+           "the full gradient was reduce-scattered away (each rank keeps 1/W of it)")
+    return clip_message(f"ZeroOptimizer(stage={stage})", why, "optimizer.clip_grad_norm_")
+
+
+def clip_message(wrapper: str, why: str, method: str) -> str:
+    return (f"torch.nn.utils.clip_grad_norm_ (or clip_grad_value_, a norm of p.grad) on {wrapper}'s "
+            f"gradients: {why}, so no rank can take the global norm here. Call {method}(max_norm, norm_type, "
+            f"error_if_nonfinite, foreach) instead: it clips by the global norm and returns it "
+            f"(as FSDP1's FullyShardedDataParallel.clip_grad_norm_)")
+
+
+# ---------------------------------------------------------------------- unused parameters
+class UnusedParameters:
+    """Skip, in an optimizer's step over flat chunks, the elements of parameters no rank used.
+
+    ``segments``: per chunk tensor the optimizer steps, ``(param, start, end)`` of each parameter's part
+    of it. ``used(p)``: p got a gradient on this rank since the last step (backward hooks call it).
+    """
+
+    def __init__(self, segments: dict[torch.Tensor, list[tuple[Any, int, int]]]) -> None:
+        self.segments = segments
+        self.local: set[Any] = set()     # used on this rank since the last step (a set: by identity)
+        self.updated: dict[Any, Any] = {p: False for segs in segments.values() for p, _, _ in segs}
+        self._saved: list = []
+
+    def used(self, p: Any) -> None:
+        self.local.add(p)
+
+    @torch.no_grad()
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._saved = []
+        for t in [t for g in optimizer.param_groups for t in g["params"] if t in self.segments]:
+            for p, a, b in self.segments[t]:
+                if p in self.local and t.grad is not None:
+                    self.updated[p] = True
+                if p in self.local or t.grad is None or a == b:
+                    continue
+                skip = torch.all(t.grad[a:b] == 0)  # zero after averaging: no rank used it (a device flag)
+                state = {k: v[a:b].clone() for k, v in optimizer.state.get(t, {}).items()
+                         if torch.is_tensor(v) and v.shape == t.shape}
+                self._saved.append((t, p, a, b, skip, t[a:b].clone(), state))
+
+    @torch.no_grad()
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        for t, p, a, b, skip, value, state in self._saved:
+            t[a:b] = torch.where(skip, value, t[a:b])  # not decayed, not moved
+            for k, v in optimizer.state.get(t, {}).items():
+                if torch.is_tensor(v) and v.shape == t.shape:  # the moments it would not have: as before (or 0)
+                    v[a:b] = torch.where(skip, state.get(k, torch.zeros_like(v[a:b])), v[a:b])
+            self.updated[p] = torch.logical_or(torch.as_tensor(self.updated[p], device=skip.device), ~skip)
+        self._saved, self.local = [], set()
+
+    def never_updated(self, params: Iterable[Any], group: dist.ProcessGroup | None) -> set[Any]:
+        """Those of ``params`` no rank ever stepped (torch: no optimizer state). Collective."""
+        params = list(params)
+        flags = torch.tensor([bool(self.updated.get(p, True)) for p in params], dtype=torch.float32)
+        device = next(iter(self.segments)).device
+        flags = flags.to(device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        return {p for p, f in zip(params, flags.tolist()) if not f}
+
+    def drop_never_updated(self, state: dict[str, Any], units: list, group: dist.ProcessGroup | None) -> dict:
+        """``state`` by parameter name without the parameters of ``units`` no rank ever stepped. Collective."""
+        never = self.never_updated([p for u in units for p in u.params], group)
+        drop = {n for u in units for p, n in zip(u.params, u.names) if p in never}
+        return {n: s for n, s in state.items() if n not in drop}
+
+    def loaded(self, has_state: Callable[[Any], bool]) -> None:
+        """After loading a state: a parameter without state there counts as never updated."""
+        self.updated = {p: has_state(p) for p in self.updated}
+
+
+def chunk_segments(params: list, offsets: list[int], rank: int, world_size: int,
+                   padded: int | None = None) -> list[tuple[Any, int, int]]:
+    """Each parameter's part ``[start, end)`` of rank ``rank``'s chunk of a flat buffer (padded to a multiple of W)."""
+    if padded is None:
+        padded = math.ceil((offsets[-1] + params[-1].numel()) / world_size) * world_size
+    chunk = padded // world_size
+    lo = rank * chunk
+    return [(p, max(s, lo) - lo, max(min(s + p.numel(), lo + chunk), max(s, lo)) - lo) for p, s in zip(params, offsets)]
+
+
+class ZeroGradViews:
+    """ZeroOptimizer's ``.grad`` bookkeeping (phase3_multi_node/zero.py): stage 1's views into its flat
+    gradient buffers (``grad_flats``), stage 2's stand-ins; both raise ``_clip_message`` from a norm."""
+
+    def _collect_stage1_grads(self) -> None:
+        """Point every p.grad back at its flat view (``set_to_none`` or ``model.zero_grad()`` drop it)."""
+        for p in self._where:
+            self._collect_stage1_grad(p)
+
+    def _collect_stage1_grad(self, p: torch.nn.Parameter) -> None:
+        view = self._grad_view(p)
+        if p.grad is None:
+            view.zero_()
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)  # accumulated since the last set_to_none: the whole gradient
+        p.grad = guarded_grad(view, p, self._clip_message)  # torch's clip_grad_norm_ on it raises
+
+    def _grad_view(self, p: torch.nn.Parameter) -> torch.Tensor:  # stage 1: p's gradient in its flat buffer
+        i, j = self._where[p]
+        return self.grad_flats[i][self.buckets[i].offsets[j]:self.buckets[i].offsets[j] + p.numel()].view_as(p)
+
+    def _on_stage1_grad(self, p: torch.nn.Parameter) -> None:
+        self._unused.used(p)
+        self._collect_stage1_grad(p)  # after model.zero_grad(): autograd made a new tensor
+
+    def _drop_stand_in(self, p: torch.nn.Parameter) -> None:  # stage 2: autograd would add to the stand-in
+        if p.grad is not None and p.grad.untyped_storage().nbytes() < p.numel() * p.element_size():
+            p.grad = None
