@@ -61,8 +61,9 @@ class Jail:
         make_copy(self.student_dir, self.root / "copy")
         self.identity = identity()
 
-    def run(self, nodeids: list[str], timeout_s: float, log=print) -> dict[str, tuple]:
-        """Run ``nodeids`` (this checkout's node ids) in a fresh jail; each one's outcome (missing: it sent none)."""
+    def run(self, nodeids: list[str], timeout_s: float, log=print, env: dict[str, str] | None = None) -> dict[str, tuple]:
+        """Run ``nodeids`` (this checkout's node ids) in a fresh jail; each one's outcome (missing: it sent none).
+        ``env``: more variables for the jail's environment (the tests of the walls pass what they probe)."""
         self.runs += 1
         scratch = self.root / f"run{self.runs}"
         scratch.mkdir(mode=0o755)
@@ -77,7 +78,7 @@ class Jail:
                 f"--basetemp={jail_path('work', 'pytest')}", "-o", "console_output_style=classic"]
         spec = {"scratch": str(scratch.resolve()), "copy": str((self.root / "copy").resolve()), "hide": hidden(self.student_dir), "user": self.identity.user,
                 "python_home": self.identity.python_home, "argv": argv, "cwd": jail_path("copy"),
-                "env": jail_environment(self.identity)}
+                "env": {**jail_environment(self.identity), **(env or {})}}
         cmd = [*self.identity.unshare, sys.executable, "-I", str(Path(__file__).with_name("jail_enter.py")),
                json.dumps(spec)]
         start = time.monotonic()
