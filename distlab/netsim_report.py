@@ -12,6 +12,7 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
+from distlab.metrics import format_bytes
 from distlab.netsim import Topology, collective_seconds, simulate
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
@@ -119,7 +120,7 @@ def plot(path: str | Path, topo: Topology = CLUSTER) -> Path:
         for algo, style in (("hierarchical_2d", "-"), ("hierarchical", "--")):
             other = [simulate("all_reduce", nbytes, m * g, topo, algo).seconds for m in nodes]
             ax.plot(nodes, [r / o for r, o in zip(ring, other)], style, color=color, marker="o", ms=3,
-                    label=f"{nbytes / MiB:g} MiB, {algo}")
+                    label=f"{format_bytes(nbytes)}, {algo}")
     ax.axhline(1, color="grey", lw=0.8)
     ax.set(xscale="log", yscale="log", xlabel=f"nodes ({g} GPUs each)", ylabel="flat ring time / hierarchical time",
            title="All-reduce: where hierarchy wins (above 1)")
