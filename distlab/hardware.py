@@ -13,12 +13,13 @@ each paying a latency alpha and moving 1/W of the buffer at the link's bandwidth
 
 and across nodes the hierarchical form (reduce-scatter inside the node over NVLink, an
 all-reduce of 1/g of the buffer across nodes, one per NIC, all-gather inside the node).
-distlab/netsim.py (issue 34, part 2) simulates the same schedules event by event; when it
-lands, it replaces the formula behind ``collective_seconds`` (the one function the planner
-calls), so the planner's times come from the simulator.
+distlab/netsim.py (issue 34, part 2) runs the same schedules as discrete events; where it is
+present, ``collective_seconds`` (the one function the planner calls) asks it instead, so the
+planner's times come from the simulator; the closed form stays as ``alpha_beta_seconds``.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 GB = 1e9
@@ -98,18 +99,9 @@ def _ring(op: str, nbytes: float, ranks: int, link: Link, bandwidth: float) -> f
     return steps * link.alpha + steps / ranks * nbytes / bandwidth
 
 
-def collective_seconds(op: str, nbytes: float, ranks: int, hw: Hardware = A100,
+def alpha_beta_seconds(op: str, nbytes: float, ranks: int, hw: Hardware = A100,
                        ranks_per_node: int | None = None) -> float:
-    """Seconds for one collective on ``hw``.
-
-    Args:
-        op: "all_reduce", "all_gather", "reduce_scatter" (``nbytes``: the full buffer, each
-            rank's input for all-reduce, the gathered output for all-gather) or "send" (one
-            message between ``ranks`` = 2 ranks; ``ranks_per_node`` 1 puts them on two nodes).
-        ranks: the group's size; ``ranks_per_node``: how many of them share a node (default:
-            as many as fit, consecutive ranks). The group's other nodes hold as many each.
-    Cost: the alpha-beta ring (hierarchical across nodes), every GPU of a node sending at once.
-    """
+    """The closed form of the module docstring (``collective_seconds``' arguments); "send" always uses it."""
     if op not in OPS:
         raise ValueError(f"op {op!r} is not one of {OPS}")
     g = min(ranks, hw.gpus_per_node) if ranks_per_node is None else ranks_per_node
@@ -128,3 +120,37 @@ def collective_seconds(op: str, nbytes: float, ranks: int, hw: Hardware = A100,
     inside = _ring("reduce_scatter", nbytes, g, hw.intra, hw.intra.bandwidth)
     across = _ring(op, nbytes / g, nodes, hw.inter, hw.inter_per_gpu)
     return across + inside * (1 if op in ("all_gather", "reduce_scatter") else 2)
+
+
+def collective_seconds(op: str, nbytes: float, ranks: int, hw: Hardware = A100,
+                       ranks_per_node: int | None = None) -> float:
+    """Seconds for one collective on ``hw``: the one function the planner asks.
+
+    Args:
+        op: "all_reduce", "all_gather", "reduce_scatter" (``nbytes``: the full buffer, each
+            rank's input for all-reduce, the gathered output for all-gather) or "send" (one
+            message between ``ranks`` = 2 ranks; ``ranks_per_node`` 1 puts them on two nodes).
+        ranks: the group's size; ``ranks_per_node``: how many of them share a node (default:
+            as many as fit, consecutive ranks). The group's other nodes hold as many each, and
+            every GPU of a node communicates at once (the other groups of the same axis).
+    Cost: distlab.netsim's simulated schedules, the fastest algorithm, when that module is
+    there; else (and for "send") ``alpha_beta_seconds``, the ring, hierarchical across nodes.
+    """
+    if op == "send" or ranks == 1 or _netsim() is None:
+        return alpha_beta_seconds(op, nbytes, ranks, hw, ranks_per_node)
+    alpha_beta_seconds(op, nbytes, ranks, hw, ranks_per_node)  # the same ValueErrors either way
+    g = min(ranks, hw.gpus_per_node) if ranks_per_node is None else ranks_per_node
+    sim = _netsim()
+    # the group's view: g ranks per node on NVLink, and g GPUs' share of the node's NICs
+    topology = sim.Topology(g, hw.intra.alpha, 1 / hw.intra.bandwidth, hw.inter.alpha, 1 / (hw.inter_per_gpu * g))
+    return sim.collective_seconds(op, nbytes, ranks, topology)
+
+
+@functools.lru_cache(maxsize=1)
+def _netsim():
+    """distlab.netsim (issue 34 part 2) when present; imported on first use (it may import this module)."""
+    try:
+        from distlab import netsim  # noqa: PLC0415
+    except ImportError:
+        return None
+    return netsim
