@@ -53,6 +53,10 @@ GRADED = {
     "template_trainer.py": ("1.6-1.8 naive data parallel", "naive_dp_matches_single_process and 2-1.7-mlp"),
     "template_tp_primitives.py": ("2.15-2.16 tensor-parallel conjugate functions",
                                   "tp_primitives_match_single_process and not 3 and not 4"),
+    "template_ring_allreduce.py": ("3.1 ring reduce-scatter", "ring_reduce_scatter_matches_builtin_and_single_process and 2"),
+    "template_compression.py": ("4.8 fp16/bf16 compression", "cast_hooks_match_float64_mean and 2"),
+    "template_moe_primitives.py": ("5.5 differentiable all-to-all",
+                                   "all_to_all_uneven_matches_hand_computed_blocks_and_transpose and 2"),
 }
 # Each run grades one cheat per template file; the reason names the defence that stopped it.
 ROUNDS = [
@@ -77,6 +81,13 @@ ROUNDS = [
      "write_reference_file": "`open` is not allowed",
      "environ_impl_solutions": "`import os` is not allowed"},
     {"forge_result_pipe": "the attribute `.os` is not allowed"},
+    # torch's own implementation accepted as the learner's (distlab/grading/rules.py): refused by the static
+    # rules with the exercise's line, and the last one, which they do not see, where it runs.
+    {"torch_c10d_all_reduce": "1.1-1.3 all-reduce three ways teaches all-reduce",
+     "torch_distributed_sampler": "1.4-1.5 distributed sampler teaches the distributed sampler",
+     "torch_process_group_allreduce": "3.1-3.4 ring reduce-scatter, all-gather and all-reduce teaches the ring",
+     "torch_fp16_hook": "4.8-4.10 gradient compression teaches compression hooks",
+     "torch_nn_all_to_all": "(refused: torch's distributed/nn/functional.py, called from template_moe_primitives.py:"},
 ]
 
 

@@ -276,7 +276,7 @@ def lint(path: Path, phase: str, name: str) -> list[str]:
             continue
         if key[0] in ("builtin", "builtin path"):
             if key[1] in refused_names or key[1] in refused_paths:
-                why = rule.line(f"{text}, torch's own") if rule and key[1] not in rules.BACKDOORS else \
+                why = rule.line(f"{text}, torch's own") if rule else \
                     f"the layer under torch.distributed's functions is not for templates (refused: {text})"
                 problems.append(f"{where}:{line}: {why}")
             continue
