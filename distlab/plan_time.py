@@ -183,8 +183,8 @@ def _train(layout: Layout, batch: int) -> plan.Train:
 
 
 def memory_bytes(model: plan.Model, layout: Layout, batch: int) -> float:
-    """The fullest stage's bytes per GPU (``plan.estimate``: 2 + 2 + 12 bytes per parameter,
-    the paper's 16); interleaving holds (1 + (p-1)/(p v)) times 1F1B's activations (Narayanan et al. 2021, 2.2.2)."""
+    """The fullest stage's bytes per GPU (``plan.estimate``: 2 + 2 + 12 bytes per parameter, the
+    ZeRO paper's count); v chunks hold (1 + (p-1)/(p v)) times 1F1B's activations (Korthikanti et al. 2022)."""
     pl = plan.Plan(dp=layout.dp, tp=layout.tp, pp=layout.pp, recompute=layout.recompute)
     est = plan.estimate(model, pl, _train(layout, batch))
     act = est.activations_recompute if layout.recompute else est.activations

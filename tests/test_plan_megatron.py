@@ -9,6 +9,7 @@ No process is spawned: everything here is arithmetic (well under a second).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import pytest
@@ -18,10 +19,17 @@ from distlab.hardware import A100, alpha_beta_seconds, collective_seconds
 
 # Within 15 %: the issue's bar for a model with one efficiency for every row. What the model
 # leaves out (kernel efficiency growing with matrix size, the optimizer step, data loading)
-# moves rows by ~10 %; a missing term (the bubble, TP's all-reduces) moves a row by 10-25 %.
+# moves rows by up to ~10 %; leaving out TP's all-reduces moves the TP8 rows by 12-20 %. The
+# smaller terms (the bubble: 1-6 %) are held to their formulas by test_step_time_parts_*.
 RTOL = 0.15
-ROWS = plan_time.megatron_rows()
-BY_PARAMS = {r["row"][0]: r for r in ROWS}
+
+
+@functools.cache
+def _rows() -> dict[float, dict]:
+    """plan_time.megatron_rows() by the row's parameter count (billions), computed once (~0.5 s)."""
+    return {r["row"][0]: r for r in plan_time.megatron_rows()}
+
+
 # Where the planner's best layout is the paper's or predicted within 5 % of it; the others are
 # documented disagreements (plan_time.DISAGREEMENTS says why), held here so a change is seen.
 AGREE = (1.7, 76.1, 310.1, 529.6, 1008.0)
@@ -36,7 +44,7 @@ def _row_msg(r: dict) -> str:
 
 @pytest.mark.parametrize("params", [row[0] for row in plan_time.MEGATRON_TABLE1])
 def test_step_time_matches_megatron_table1(params):
-    r = BY_PARAMS[params]
+    r = _rows()[params]
     assert abs(r["ratio"] - 1) <= RTOL, _row_msg(r)
 
 
@@ -55,9 +63,19 @@ def test_megatron_flops_and_parameters_match_the_paper():
     assert plan_time.megatron_flops(one_t, 1, recompute=False) < plan_time.megatron_flops(one_t, 1)
 
 
+def test_paper_layouts_fit_in_an_a100s_memory():
+    """The paper ran every row on 80 GB A100s: the planner's memory (plan.estimate, recomputation,
+    1F1B's in-flight micro-batches, interleaving's extra) must agree that each fits."""
+    for r in _rows().values():
+        need = plan_time.memory_bytes(r["model"], r["layout"], r["row"][7])
+        assert need <= A100.memory_bytes, f"{r['row'][0]} B ({r['layout'].name()}): {need / 1e9:.1f} GB"
+    one_gpu = plan_time.Layout(tp=1, pp=1, dp=3072)  # 1T parameters x 16 bytes on each GPU: no
+    assert plan_time.memory_bytes(_rows()[1008.0]["model"], one_gpu, 3072) > 16e12
+
+
 @pytest.mark.parametrize("params", AGREE)
 def test_planner_finds_the_paper_layout_or_one_within_5_percent(params):
-    r = BY_PARAMS[params]
+    r = _rows()[params]
     best, st, own = r["best"], r["best_time"], r["time"]
     assert (best.tp, best.pp) == (r["layout"].tp, r["layout"].pp) or st.tflops <= 1.05 * own.tflops, \
         f"{params} B: planner picks {best.name()} at {st.tflops:.0f}, the paper's {r['layout'].name()} " \
@@ -67,12 +85,12 @@ def test_planner_finds_the_paper_layout_or_one_within_5_percent(params):
 def test_planner_disagreements_are_the_documented_ones():
     """Every row where the planner prefers another layout by more than 5 % is explained in
     plan_time.DISAGREEMENTS, and each explained row goes the way it says: less tensor parallelism."""
-    found = {p for p, r in BY_PARAMS.items() if (r["best"].tp, r["best"].pp) != (r["layout"].tp, r["layout"].pp)
+    found = {p for p, r in _rows().items() if (r["best"].tp, r["best"].pp) != (r["layout"].tp, r["layout"].pp)
              and r["best_time"].tflops > 1.05 * r["time"].tflops}
     assert found <= set(plan_time.DISAGREEMENTS), found - set(plan_time.DISAGREEMENTS)
-    assert set(AGREE) | set(plan_time.DISAGREEMENTS) == set(BY_PARAMS)
+    assert set(AGREE) | set(plan_time.DISAGREEMENTS) == set(_rows())
     for p, why in plan_time.DISAGREEMENTS.items():
-        r = BY_PARAMS[p]
+        r = _rows()[p]
         assert r["best"].tp < r["layout"].tp and r["best_time"].tflops > r["time"].tflops, (why, r["best"].name())
 
 
