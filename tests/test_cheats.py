@@ -88,6 +88,10 @@ ROUNDS = [
      "torch_process_group_allreduce": "3.1-3.4 ring reduce-scatter, all-gather and all-reduce teaches the ring",
      "torch_fp16_hook": "4.8-4.10 gradient compression teaches compression hooks",
      "torch_nn_all_to_all": "(refused: torch's distributed/nn/functional.py, called from template_moe_primitives.py:"},
+    # The operating system's walls (distlab/grading/jail.py): lint-clean cheats that write from C++ into the
+    # checkout, or forge the jail's outcome files; the checkout is out of sight and read-only, an outcome is data.
+    {"plant_conftest_from_cpp": "unable to open file <tests/conftest.py> in read-write mode",
+     "forge_outcome_files": "max abs diff"},
 ]
 
 
@@ -229,6 +233,8 @@ def test_each_cheat_scores_zero_with_its_reason(round_, round_results, source):
         assert reason in test["output"], f"cheat {name}: expected {reason!r} in the reason, got {test['output']!r}"
     written = source / "tests" / "test_phase1.py"
     assert "_worker_naive_dp(*args" not in written.read_text(), "a template wrote to the tests"
+    assert "def pytest_runtest_makereport(item, call):\n    yield" not in (source / "tests" / "conftest.py").read_text()
+    assert "= 99" not in (source / "grading" / "weights.toml").read_text(), "a template rewrote the weights"
 
 
 def test_a_patch_at_import_is_put_back_for_the_exercises_graded_after_it(tmp_path, monkeypatch):
