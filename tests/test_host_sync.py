@@ -11,10 +11,13 @@ Budgets per steady-state step (world size 2):
 | strategy | budget | why |
 |---|---|---|
 | naive DDP (1.x), per-parameter DDP (3.10-3.11), bucketed DDP (3.12-3.14), torch DDP | 0 | the all-reduces are queued; nothing asks the host |
-| ZeRO-1/2 (SGD; Adam reads its CPU step count with ``.item()`` by design) | 0 | as DDP |
+| ZeRO-1/2, torch ZeroRedundancyOptimizer | 0 | as DDP |
 | pipeline GPipe/1F1B (timeline on or off) | 0, the last stage 1 | ``train_step`` returns the loss as a float |
 | ring attention, forward and backward | 0 | the visible rows/columns come from host positions |
 | loss scaler (``unscale_``/``step``/``update``) | 1 | the found-inf verdict; ``torch.amp.GradScaler`` pays the same one |
+
+Each data-parallel strategy and ZeRO runs with SGD and with AdamW: AdamW's ``.item()`` of its
+``step`` per parameter per step reads a CPU tensor in a GPU run too (not counted; issue 33).
 
 The p2p size check (distlab/p2p.py, on by default) sends a size header with every message. On
 CUDA its verdict is deferred (the header copied to the host without blocking, read once it has
@@ -26,6 +29,8 @@ the immediate path.
 from __future__ import annotations
 
 import copy
+import io
+import logging
 
 import pytest
 import torch
@@ -62,7 +67,7 @@ def _check(results: list[dict], budget) -> None:
                                          f"(each makes the CPU wait for the GPU):\n{got['report']}")
 
 
-def _sgd_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
     """An ordinary torch training step (the wrappers all-reduce in backward, ZeRO in step)."""
     opt.zero_grad(set_to_none=True)
     F.cross_entropy(model(x), y).backward()
@@ -76,9 +81,19 @@ def _data(rank: int, world_size: int, step: int = 0):
 
 
 # --------------------------------------------------------------------------- the meter
+_LOG = logging.getLogger("test_host_sync")  # an INFO logger that formats its records, as a training log does
+_LOG.addHandler(logging.StreamHandler(io.StringIO()))
+_LOG.setLevel(logging.INFO)
+_LOG.propagate = False
+
+
 def _sync_calls():
-    x = torch.arange(6.0)
-    return [("item", lambda: x.sum().item()), ("item", lambda: bool(x.sum() > 0)),
+    x, cpu, host_buffer = torch.arange(6.0), torch.device("cpu"), torch.empty(6)
+    return [("repr", lambda: print(x)), ("repr", lambda: str(x)), ("repr", lambda: _LOG.info("loss %s", x)),
+            ("to host", lambda: x.to(torch.device("cpu"))), ("to host", lambda: x.to(device=cpu)),
+            ("to host", lambda: host_buffer.copy_(x)),
+            ("linalg info check", lambda: torch.linalg.inv(torch.eye(2) + x[:4].view(2, 2))),
+            ("item", lambda: x.sum().item()), ("item", lambda: bool(x.sum() > 0)),
             ("item", lambda: 1 if (x > 0).any() else 0), ("item", lambda: f"{x.sum():.2f}"),
             ("tolist", lambda: x.tolist()), ("to host", lambda: x.cpu()), ("to host", lambda: x.to("cpu")),
             ("nonzero", lambda: torch.nonzero(x > 2)), ("nonzero", lambda: torch.where(x > 2)),
@@ -102,14 +117,33 @@ def test_meter_counts_each_sync_at_its_line(op, call):
 
 
 def test_meter_ignores_what_never_waits():
-    x, w = torch.arange(6.0, requires_grad=True), torch.arange(6.0)
+    x, w, device, buffer = torch.arange(6.0, requires_grad=True), torch.arange(6.0), torch.device("cpu"), torch.empty(6)
     with HostSyncMeter() as meter:
         y = torch.where(x > 2, x, 0.0).masked_fill(w > 4, 0.0)
         torch._foreach_mul_([w, w.clone()], 0.5)
         (y * torch.isfinite(y).all()).sum().backward()
         w.to(torch.float64), w.to(w.device), w.numpy(), torch.nonzero_static(w, size=6)
+        w.to(device), buffer.copy_(w)  # the run's device (a no-op here; on a GPU, device to device)
+        torch.linalg.inv_ex(torch.eye(2))  # no error check: the info stays on the device
         torch.tensor([1, 2]).repeat_interleave(torch.tensor([1, 2]), output_size=3)
     assert len(meter) == 0, meter.report()
+
+
+@pytest.mark.parametrize("optimizer", [
+    lambda ps: torch.optim.AdamW(ps, foreach=False), lambda ps: torch.optim.AdamW(ps, foreach=True),
+    lambda ps: torch.optim.Adam(ps)], ids=["AdamW", "AdamW foreach", "Adam"])
+def test_meter_ignores_adam_step_counters_kept_on_the_host(optimizer):
+    # torch keeps a non-capturable Adam's `step` on the CPU in a GPU run too: its .item() per
+    # parameter per step reads host memory and waits for nothing.
+    params = [nn.Parameter(torch.ones(3)) for _ in range(3)]
+    opt = optimizer(params)
+    for p in params:
+        p.grad = torch.ones(3)
+    opt.step()
+    with HostSyncMeter() as meter:
+        opt.step()
+        params[0].sum().item()  # still counted: a parameter's value is on the device
+    assert meter.counts() == {"item": 1}, meter.report()
 
 
 def test_budget_failure_names_the_line_and_meters_nest():
@@ -159,25 +193,29 @@ def _worker_data_parallel(rank, world_size):
     trainer, zero = load("phase1_data_parallel", "trainer"), load("phase3_multi_node", "zero")
     from torch.distributed.optim import ZeroRedundancyOptimizer
     x, y = _data(rank, world_size)
-    model = seeded(ToyMLP, 0, 6, 10, 3)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    out = {"naive DDP": _metered(lambda: trainer.train_step(model, opt, F.cross_entropy, x, y))}
-    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
     small = 200 / 2**20  # 200-byte buckets: several per step
     bare = lambda m: m  # noqa: E731 (ZeRO communicates in its optimizer: no wrapper)
-    strategies = {  # name: (wrap the model, build the optimizer)
-        "per-parameter DDP": (ddp_overlap.DDPIndividualParameters, sgd),
-        "bucketed DDP": (lambda m: ddp_bucketed.DDPBucketed(m, bucket_size_mb=small), sgd),
-        "torch DDP": (nn.parallel.DistributedDataParallel, sgd),
-        "ZeRO-1": (bare, lambda ps: zero.ZeroOptimizer(ps, torch.optim.SGD, stage=1, lr=0.1, momentum=0.9)),
-        "ZeRO-2": (bare, lambda ps: zero.ZeroOptimizer(ps, torch.optim.SGD, stage=2, bucket_size_mb=small,
-                                                         lr=0.1, momentum=0.9)),
-        "torch ZeroRedundancyOptimizer": (nn.parallel.DistributedDataParallel, lambda ps: ZeroRedundancyOptimizer(
-            ps, torch.optim.SGD, lr=0.1, momentum=0.9))}
-    for name, (wrap, make) in strategies.items():
+    out = {}
+    # AdamW as a GPU run has it: its step counts on the CPU (read with .item(), no wait); SGD has no state to read.
+    for kind, (cls, kw) in {"SGD": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+                            "AdamW": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1))}.items():
         model = seeded(ToyMLP, 0, 6, 10, 3)
-        wrapped, opt = wrap(model), make(list(model.parameters()))
-        out[name] = _metered(lambda: _sgd_step(wrapped, opt, x, y))  # _metered runs it before the next loop
+        opt = cls(model.parameters(), **kw)
+        out[f"naive DDP, {kind}"] = _metered(lambda: trainer.train_step(model, opt, F.cross_entropy, x, y))
+        plain = lambda ps, cls=cls, kw=kw: cls(ps, **kw)  # noqa: E731
+        strategies = {  # name: (wrap the model, build the optimizer)
+            "per-parameter DDP": (ddp_overlap.DDPIndividualParameters, plain),
+            "bucketed DDP": (lambda m: ddp_bucketed.DDPBucketed(m, bucket_size_mb=small), plain),
+            "torch DDP": (nn.parallel.DistributedDataParallel, plain),
+            "ZeRO-1": (bare, lambda ps, cls=cls, kw=kw: zero.ZeroOptimizer(ps, cls, stage=1, **kw)),
+            "ZeRO-2": (bare, lambda ps, cls=cls, kw=kw: zero.ZeroOptimizer(ps, cls, stage=2, bucket_size_mb=small,
+                                                                             **kw)),
+            "torch ZeroRedundancyOptimizer": (nn.parallel.DistributedDataParallel,
+                                              lambda ps, cls=cls, kw=kw: ZeroRedundancyOptimizer(ps, cls, **kw))}
+        for name, (wrap, make) in strategies.items():
+            model = seeded(ToyMLP, 0, 6, 10, 3)
+            wrapped, opt = wrap(model), make(list(model.parameters()))
+            out[f"{name}, {kind}"] = _metered(lambda: _train_step(wrapped, opt, x, y))  # run before the next loop
     return out
 
 
