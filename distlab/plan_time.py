@@ -61,7 +61,7 @@ VOCAB, SEQ = 51200, 2048
 # with no CUDA context, NCCL buffers or fragmentation counted.
 DISAGREEMENTS = {
     3.6: "TP1 DP64 (58 GB): no TP all-reduces; ~5 % ahead, at the bar (4.6 % with the closed form)",
-    7.5: "TP1 PP2 v6 (62 GB): no TP all-reduces; 2 stages of 6 chunks, a 1 % bubble",
+    7.5: "TP1 PP2 v6 (62 GB): no TP all-reduces; bubble 1/(6 x 8) = 2 %",
     18.4: "TP1 PP4 v5 (79 GB, at the edge of 80): no TP all-reduces; bubble 3/(5 x 16) = 4 %",
     39.1: "TP2 PP8 v6: 2-way TP's all-reduces and replicated element-wise work, not 8-way's",
     145.6: "TP4 PP16 v5: half the TP degree, a 3 % bubble; ~5 % ahead, at the bar",
@@ -291,4 +291,8 @@ def reproduce_megatron(hw: Hardware = A100) -> list[dict]:
                      "memory GB": f"{memory_bytes(r['model'], lay, r['row'][7]) / 1e9:.0f}"})
     print(f"\nthe planner's best layout for each row's model on its GPUs (fits in {hw.memory_bytes / 1e9:g} GB):")
     print(format_table(best))
+    print("\nwhere they differ (plan_time.DISAGREEMENTS): the planner trades tensor parallelism for more, "
+          "interleaved stages or more data parallelism; the paper put TP first (its section 3.3 heuristic)")
+    for params, why in DISAGREEMENTS.items():
+        print(f"  {params:g} B: {why}")
     return rows
