@@ -5,7 +5,7 @@ fast a GPU multiplies matrices, and how long a collective over some of its GPUs 
 Both live here so that every number about the machine is written, with its source, once.
 
 Collective times use the alpha-beta model of the course's ring (phase 3,
-guidelines_ddp_zero.md#ring-all-reduce): a ring all-reduce over W ranks takes 2(W-1) steps,
+guidelines.md#ring-all-reduce): a ring all-reduce over W ranks takes 2(W-1) steps,
 each paying a latency alpha and moving 1/W of the buffer at the link's bandwidth, so
 
     all-reduce:  2 (W-1) alpha + 2 (W-1)/W * nbytes / bandwidth
