@@ -93,6 +93,23 @@ def test_a_message_waits_for_its_receiver_and_an_empty_one_costs_nothing():
     assert sim.ready[1] == pytest.approx(2e-3) and sim.messages == 2
 
 
+def test_a_nodes_link_is_shared_by_its_crossing_messages_and_the_fabric_by_all():
+    n, beta = 4096, 1e-9
+    topo = Topology(ranks_per_node=2, intra_alpha=0.0, intra_beta=0.0, inter_alpha=0.0, inter_beta=beta)
+    sim = Sim(4, topo)  # both ranks of node 0 send to node 1 at once: each at half node 0's link
+    sim.step(np.array([0, 1]), np.array([2, 3]), np.array([n, n]), False, key="node 0 -> node 1")
+    assert sim.ready.tolist() == pytest.approx([2 * n * beta] * 4)
+    # pairwise all-to-all: one crossing per node in steps 1 and 3, two in step 2
+    assert simulate("all_to_all", n, 4, topo, "pairwise").seconds == pytest.approx((1 + 2 + 1) * n / 4 * beta)
+    # oversubscription 2: the fabric carries one node link's worth, shared by every crossing message
+    tight = Topology(2, 0.0, 0.0, 0.0, beta, oversubscription=2.0)
+    assert simulate("all_to_all", n, 4, tight, "pairwise").seconds == pytest.approx((2 + 4 + 2) * n / 4 * beta)
+    # loopback on 2 cores: the ring's 4 concurrent copies run 2 at a time, at half speed each
+    cores = Topology(ranks_per_node=4, intra_alpha=0.0, intra_beta=beta, intra_concurrency=2)
+    assert simulate("all_reduce", n, 4, cores, "ring").seconds == pytest.approx(
+        2 * alpha_beta_seconds("all_reduce", "ring", n, 4, 0.0, beta))
+
+
 def test_hierarchical_benchmark_ratio_lies_in_the_measured_iqr():
     results = json.loads((RESULTS / "hierarchical.json").read_text())
     rows = {r["case"]: r for r in hierarchical_bench(results)}
