@@ -65,7 +65,8 @@ def _worker_allreduce(rank, world_size, strategy):
                 # Every rank must end with bitwise the same tensor.
                 ref = mine.clone()
                 dist.broadcast(ref, src=0)
-                assert torch.equal(mine, ref), f"{what}: rank {rank} differs from rank 0"
+                assert_tensors_close(mine, ref, f"{what}: rank {rank} differs from rank 0", rtol=0, atol=0,
+                                     baseline=False)  # its own result on both sides
 
 
 def _check_volume(ledger: CommLedger, strategy: str, rank: int, world_size: int, nbytes: int, what: str):
@@ -102,7 +103,7 @@ def _worker_allreduce_group(rank, world_size, strategy):
     if rank in members:
         t = torch.full((5,), float(rank))
         fn(t, op="sum", group=group)
-        assert torch.equal(t, torch.full((5,), 6.0)), f"rank {rank}, {strategy} on group {members}: {t.tolist()}"
+        assert_tensors_close(t, torch.full((5,), 6.0), f"rank {rank}, {strategy} on group {members}", rtol=0, atol=0)
 
 
 @pytest.mark.exercise("1.1-1.3 all-reduce three ways")

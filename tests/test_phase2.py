@@ -436,11 +436,12 @@ def test_checkpointed_gradients_match_plain_backward(dropout, every):
         ckpt_loss, ckpt_rng = _forward_backward(ckpt, x, y, seed=step)
         what = f"dropout {dropout}, every {every}, backward {step}"
         # The forward is the same ops on the same values (no_grad changes nothing): bitwise.
-        assert torch.equal(ckpt_loss, plain_loss), f"{what}: loss {ckpt_loss.item()} != plain {plain_loss.item()}"
+        assert_tensors_close(ckpt_loss, plain_loss, f"{what}: loss {ckpt_loss.item()} != plain {plain_loss.item()}",
+                             rtol=0, atol=0)
         # The recomputation must replay the forward's dropout draws and then leave the
         # caller's generator where plain training leaves it.
-        assert torch.equal(ckpt_rng, plain_rng), f"{what}: the RNG state after backward differs from plain " \
-                                                 "training's (restore it after the recomputation: fork_rng)"
+        assert_tensors_close(ckpt_rng, plain_rng, f"{what}: the RNG state after backward differs from plain "
+                             "training's (restore it after the recomputation: fork_rng)", rtol=0, atol=0)
         # float64; the gradient reaching a block's input is the sum of the residual and
         # the block paths, added in a different order when the block is recomputed, so
         # allow ~1e-16 relative rounding. Different dropout masks differ by ~1e-2.

@@ -382,8 +382,10 @@ def _worker_pipeline(rank, world_size, schedule, device="cpu"):  # tests/test_gp
                                      y if rank == p - 1 else None, F.cross_entropy, m)
             what = f"rank {rank} (stage {rank} of {p}), {schedule}, m={m}, step {step}"
             if rank == p - 1:
-                assert loss is not None and abs(loss - loss_ref.item()) < 1e-12, \
-                    f"{what}: loss {loss} != single-process {loss_ref.item()} (mean over micro-batches?)"
+                assert_equal(loss is None, False, f"{what}: the last stage returned no loss")
+                assert_tensors_close(torch.as_tensor(float(loss), dtype=torch.float64), loss_ref.detach().double(),
+                                     f"{what}: loss {loss} != single-process {loss_ref.item()} (mean over micro-batches?)",
+                                     rtol=0, atol=1e-12)
             # Gradients: the sum over micro-batches of loss/m is the batch mean's gradient.
             for (name, a), b in zip(mine.named_parameters(), reference[rank].parameters()):
                 assert_tensors_close(a.grad, b.grad, f"{what}, gradient of stage parameter {name}", **TOL)
@@ -495,7 +497,8 @@ def _worker_tp_dp(rank, world_size, tp_size):
     for p in model.parameters():  # replicas of one shard are bitwise identical
         ref = p.detach().clone()
         dist.broadcast(ref, src=grid.dp_ranks[0], group=grid.dp_group)
-        assert torch.equal(p.detach(), ref), f"rank {rank}: replicas in dp group {grid.dp_ranks} diverged"
+        assert_tensors_close(p.detach(), ref, f"rank {rank}: replicas in dp group {grid.dp_ranks} diverged",
+                             rtol=0, atol=0, baseline=False)  # its own result on both sides
     # The dp all-reduce alone: averages over the dp group (not the world, not the tp row)
     # and moves this rank's shard of the gradients once.
     for p in model.parameters():
@@ -505,9 +508,9 @@ def _worker_tp_dp(rank, world_size, tp_size):
         grid_mod.allreduce_dp_gradients(model, grid)
     mean = sum(grid.dp_ranks) / grid.dp_size
     for name, p in model.named_parameters():
-        assert torch.allclose(p.grad, torch.full_like(p, mean)), \
-            f"rank {rank}: gradient of {name} is {p.grad.flatten()[0].item()}, expected the mean {mean} over " \
-            f"dp group {grid.dp_ranks}"
+        assert_tensors_close(p.grad, torch.full_like(p, mean),
+                             f"rank {rank}: gradient of {name} is {p.grad.flatten()[0].item()}, expected the mean "
+                             f"{mean} over dp group {grid.dp_ranks}", rtol=1e-5, atol=1e-8)  # torch.allclose's
     local = sum(p.numel() * 8 for p in model.parameters())
     assert_equal((ledger.bytes("all_reduce"), ledger.bytes()), (local, local),
                  f"rank {rank}: dp gradient sync moved {ledger.summary()}, expected {local} B of all-reduce "
@@ -566,7 +569,8 @@ def _worker_model_split(rank, world_size, with_backward):
             loss = ms.train_step(mine, opt, F.cross_entropy, x if rank == 0 else None, y if rank == p - 1 else None,
                                  (batch, HIDDEN), torch.float64)
         if rank == p - 1:
-            assert abs(loss - loss_ref.item()) < 1e-12, f"{what}: loss {loss} != unsplit {loss_ref.item()}"
+            assert_tensors_close(torch.as_tensor(float(loss), dtype=torch.float64), loss_ref.detach().double(),
+                                 f"{what}: loss {loss} != unsplit {loss_ref.item()}", rtol=0, atol=1e-12)
         for (name, a), b in zip(mine.named_parameters(), reference[rank].parameters()):
             assert_tensors_close(a.grad, b.grad, f"{what}, gradient of stage parameter {name}", **TOL)
         opt_ref.step()
@@ -679,7 +683,8 @@ def _worker_interleaved(rank, world_size):
                                      y if rank == p - 1 else None, F.cross_entropy, m)
             what = f"rank {rank}, interleaved p={p} v={v} m={m}, step {step}"
             if rank == p - 1:
-                assert abs(loss - loss_ref.item()) < 1e-12, f"{what}: loss {loss} != single-process {loss_ref.item()}"
+                assert_tensors_close(torch.as_tensor(float(loss), dtype=torch.float64), loss_ref.detach().double(),
+                                     f"{what}: loss {loss} != single-process {loss_ref.item()}", rtol=0, atol=1e-12)
             for c, chunk in enumerate(chunks):
                 for (name, a), b in zip(chunk.named_parameters(), reference[c * p + rank].parameters()):
                     assert_tensors_close(a.grad, b.grad, f"{what}, gradient of chunk {c} parameter {name}", **TOL)

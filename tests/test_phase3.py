@@ -80,7 +80,7 @@ def _worker_ring_reduce_scatter(rank, world_size):
         ledger = CommLedger()
         with ledger:
             mine = ring.ring_reduce_scatter(inputs[rank], op=op)
-        assert torch.equal(inputs[rank], original), f"{what}: the input must not be modified"
+        assert_tensors_close(inputs[rank], original, f"{what}: the input must not be modified", rtol=0, atol=0)
         # Sums reordered (vs the float64 reference and vs gloo): rounding at the dtype's
         # precision; a missing rank or a missing 1/W is off by whole units. int64: exact.
         assert_tensors_close(mine, expected.reshape(-1)[start:start + sizes[rank]], f"{what} vs single-process sum")
@@ -117,8 +117,8 @@ def _worker_ring_all_gather(rank, world_size):
         with ledger:
             mine = ring.ring_all_gather(pieces[rank].clone(), expected.numel())
         # Copies only, no arithmetic: bitwise equal.
-        assert torch.equal(mine, expected), f"{what}: {mine.tolist()} != {expected.tolist()}"
-        assert torch.equal(mine, builtin), f"{what}: differs from dist.all_gather"
+        assert_tensors_close(mine, expected, f"{what} vs the concatenation", rtol=0, atol=0)
+        assert_tensors_close(mine, builtin, f"{what} vs dist.all_gather", rtol=0, atol=0)
         _check_p2p_only(ledger, what)
         sent = (expected.numel() - pieces[(rank + 1) % world_size].numel()) * expected.element_size()
         assert_equal(ledger.sent_bytes(), sent,
@@ -171,7 +171,8 @@ def _check_allreduce(rank, world_size, fn, name, check_volume=_ring_volume):
         check_volume(ledger, rank, world_size, expected, what)
         ref = mine.clone()
         dist.broadcast(ref, src=0)
-        assert torch.equal(mine, ref), f"{what}: rank {rank} differs from rank 0 (all ranks must agree bitwise)"
+        assert_tensors_close(mine, ref, f"{what}: rank {rank} differs from rank 0 (all ranks must agree bitwise)",
+                             rtol=0, atol=0, baseline=False)  # its own result on both sides
 
 
 def _worker_ring_allreduce(rank, world_size):
@@ -286,7 +287,8 @@ def _worker_hierarchical(rank, world_size, ranks_per_node):
                          f"{what}: a non-leader must only talk inside its node, saw {ledger.summary()}")
         ref = mine.clone()
         dist.broadcast(ref, src=0)
-        assert torch.equal(mine, ref), f"{what}: rank {rank} differs from rank 0 (all ranks must agree bitwise)"
+        assert_tensors_close(mine, ref, f"{what}: rank {rank} differs from rank 0 (all ranks must agree bitwise)",
+                             rtol=0, atol=0, baseline=False)  # its own result on both sides
 
 
 @pytest.mark.exercise("3.6 hierarchical all-reduce")

@@ -542,7 +542,8 @@ def _worker_zero3_blocking(rank, world_size):
         assert not in_flight, f"rank {rank}, step {step}: in flight while backward computes: {in_flight[:3]}"
     # The same collectives in the same order, only waited for earlier: bitwise the same shards.
     for u, v in zip(overlapped.units, blocking.units):
-        assert torch.equal(u.shard, v.shard), f"rank {rank}: unit {u.names[0]} differs with overlap_comm=False"
+        assert_tensors_close(u.shard, v.shard, f"rank {rank}: unit {u.names[0]} differs with overlap_comm=False",
+                             rtol=0, atol=0, baseline=False)  # its own result on both sides
 
 
 @pytest.mark.exercise("3.17-3.18 ZeRO-3")
@@ -711,7 +712,8 @@ def _worker_zero3_checkpoint(rank, world_size):
     assert_equal(sorted(sharded["unsharded"]), ["frozen.bias", "frozen.weight"],
                  f"rank {rank}: {sharded['unsharded']}")
     for name, t in _gathered(fsdp).items():  # the test's own gather: same chunks, no arithmetic
-        assert torch.equal(full[name], t), f"rank {rank}: full_state_dict()[{name!r}] is not the gathered tensor"
+        assert_tensors_close(full[name], t, f"rank {rank}: full_state_dict()[{name!r}] is not the gathered tensor",
+                             rtol=0, atol=0, baseline=False)
     restored = _zero(3, _make("tied_frozen", 7), impl="solutions")  # other weights: the loads must overwrite them
     restored_opt = _adamw(restored)
     assert st.sharded_state_dict(fsdp)["optimizer"] is None, f"rank {rank}: no optimizer given: weights only"
@@ -719,11 +721,13 @@ def _worker_zero3_checkpoint(rank, world_size):
         st.load_sharded_state_dict(restored, sharded)  # its optimizer's state would be silently dropped
     st.load_full_state_dict(restored, full)
     for name, t in st.full_state_dict(restored).items():  # checked before the sharded load overwrites it
-        assert torch.equal(t, full[name]), f"rank {rank}: {name} differs after load_full_state_dict"
+        assert_tensors_close(t, full[name], f"rank {rank}: {name} differs after load_full_state_dict", rtol=0, atol=0,
+                             baseline=False)
     st.load_full_state_dict(restored, _make("tied_frozen", 7).state_dict())  # other weights again
     st.load_sharded_state_dict(restored, sharded, restored_opt)
     for name, t in st.full_state_dict(restored).items():
-        assert torch.equal(t, full[name]), f"rank {rank}: {name} differs after load_sharded_state_dict"
+        assert_tensors_close(t, full[name], f"rank {rank}: {name} differs after load_sharded_state_dict", rtol=0,
+                             atol=0, baseline=False)
     for model, o in ((fsdp, opt), (restored, restored_opt)):
         x, y = _batch("tied_frozen", 5)
         o.zero_grad()
@@ -732,7 +736,8 @@ def _worker_zero3_checkpoint(rank, world_size):
     after, expected = st.full_state_dict(restored), st.full_state_dict(fsdp)
     for name in expected:
         # Same chunks, same optimizer state, same data: bitwise the same step.
-        assert torch.equal(after[name], expected[name]), f"rank {rank}: {name} differs one step after restoring"
+        assert_tensors_close(after[name], expected[name], f"rank {rank}: {name} differs one step after restoring",
+                             rtol=0, atol=0, baseline=False)
 
 
 @pytest.mark.exercise("3.19 ZeRO-3 state dicts")

@@ -25,7 +25,7 @@ from distlab import load
 from distlab.comm import CommLedger
 from distlab.spawn import run_distributed
 from distlab.models import seeded
-from distlab.testing import assert_at_most, assert_equal, max_abs_diff, shard
+from distlab.testing import assert_at_most, assert_equal, assert_tensors_close, max_abs_diff, shard
 
 PHASE = "phase5_large_models"
 LOADER = {"epoch": 1, "position": 24}  # the data loader's place: must come back with the weights
@@ -129,9 +129,8 @@ def _worker_load(rank, world_size, tmp, formats):
         assert_equal(sorted(got), sorted(reference), f"rank {rank}, {fmt}: keys {sorted(got)} != {sorted(reference)}")
         for key, want in reference.items():
             if torch.is_tensor(want):
-                assert torch.equal(got[key], want), \
-                    f"rank {rank} of {world_size}, {fmt}: {key} differs from the unsharded state " \
-                    f"by {max_abs_diff(got[key], want):.3e}"
+                assert_tensors_close(got[key], want, f"rank {rank} of {world_size}, {fmt}: {key} differs from the "
+                                     "unsharded state", rtol=0, atol=0, baseline=False)
 
 
 @pytest.mark.exercise("5.11-5.12 sharded save and resharding load")

@@ -118,7 +118,8 @@ def test_merge_at_large_logits_matches_float64_softmax(dtype):
     mask = pos_q[:, None] >= pos_k[None, :]
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     want_lse = torch.logsumexp((q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf")), -1)
-    assert want_lse[..., 0::2].min() > 90 and want_lse[..., 1::2].max() < -90, "test setup: lse must be ~ +-100"
+    assert_equal(bool(want_lse[..., 0::2].min() > 90 and want_lse[..., 1::2].max() < -90), True,
+                 "test setup: lse must be ~ +-100")
     out = lse = None
     for cols in (slice(0, 3), slice(3, 6), slice(6, 9)):  # queries 2, 3 see no key of the last block: lse -inf
         if dtype == torch.float32:  # the whole block in fp32
@@ -129,9 +130,9 @@ def test_merge_at_large_logits_matches_float64_softmax(dtype):
             block_out, block_lse = block_out.bfloat16(), block_lse.float()
         out, lse = (block_out, block_lse) if out is None else ring.merge_partials(out, lse, block_out, block_lse)
     what = f"{str(dtype).removeprefix('torch.')} merge at scores ~ +-100"
-    assert torch.isfinite(out).all() and torch.isfinite(lse).all(), (
+    assert_equal(bool(torch.isfinite(out).all() and torch.isfinite(lse).all()), True, (
         f"{what}: the merged output holds inf/nan ({(~torch.isfinite(out)).sum().item()} values): exp of a raw "
-        f"log-sum-exp overflows (exp(100) > {torch.finfo(dtype).max:.1e}); exponentiate lse - new_lse only")
+        f"log-sum-exp overflows (exp(100) > {torch.finfo(dtype).max:.1e}); exponentiate lse - new_lse only"))
     # fp32: scores of ~100 carry ~1e-5 absolute rounding, so the softmax weights ~1e-5 relative.
     # bf16: each partial output is rounded to 8 bits (2^-9 relative, |v| < 4): ~1e-2 absolute.
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)

@@ -122,9 +122,10 @@ def test_capacity_keep_matches_global_priority_loop():
         for capacity in (0, 1, 3, sum(tokens)):
             expected, _ = _reference_keep(torch.cat(choices).tolist(), 4, capacity)
             got = torch.cat([moe.capacity_keep(c, all_counts, r, capacity) for r, c in enumerate(choices)])
-            assert got.dtype == torch.bool and torch.equal(got, torch.tensor(expected, dtype=torch.bool)), \
-                f"W={world_size} tokens {tokens} capacity {capacity}: keep {got.int().tolist()} " \
-                f"!= expected {torch.tensor(expected).int().tolist()} (priority: slot, then rank, then token)"
+            assert_tensors_close(got, torch.tensor(expected, dtype=torch.bool),
+                                 f"W={world_size} tokens {tokens} capacity {capacity}: keep {got.int().tolist()} "
+                                 f"!= expected {torch.tensor(expected).int().tolist()} (priority: slot, then rank, "
+                                 "then token)", rtol=0, atol=0)  # a dtype other than bool fails too
 
 
 # --------------------------------------------------------------------------- 5.6-5.8 the layer
@@ -175,9 +176,9 @@ def _worker_moe(rank, world_size, device="cpu"):  # tests/test_gpu.py: "cuda" on
         assert_equal(stats.dropped, K * tokens[rank] - kept_here,
                      f"{what}: dropped {stats.dropped}, expected {K * tokens[rank] - kept_here}")
         if cf == CAPACITY_FACTORS[-1]:
-            assert bool(ref_keep.all()), "capacity C = N must keep every pair"
+            assert_equal(bool(ref_keep.all()), True, "capacity C = N must keep every pair")
         else:
-            assert not bool(ref_keep.all()), f"{what}: the test meant to drop pairs but nothing dropped"
+            assert_equal(bool(ref_keep.all()), False, f"{what}: the test meant to drop pairs but nothing dropped")
         # Bytes: counts all-gather (k*E int64), counts all-to-all (E int64), then the tokens:
         # dispatch sends my kept pairs, combine sends what my experts received; backward swaps.
         row = D * 8
