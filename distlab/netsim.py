@@ -300,15 +300,17 @@ def _parser() -> argparse.ArgumentParser:
     d = Topology()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--op", default="all_reduce", choices=sorted(ALGORITHMS))
+    ap.add_argument("--op", default="all_reduce", choices=sorted(ALGORITHMS), help="the collective")
     ap.add_argument("--bytes", type=float, default=2 ** 30, help="the whole tensor (see simulate)")
-    ap.add_argument("--ranks", type=int, default=1024)
-    ap.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node)
-    ap.add_argument("--intra-gbs", type=float, default=1e-9 / d.intra_beta, help="GB/s, one rank inside a node")
-    ap.add_argument("--inter-gbs", type=float, default=1e-9 / d.inter_beta, help="GB/s, one node's fabric link")
-    ap.add_argument("--intra-us", type=float, default=d.intra_alpha * 1e6, help="per message inside a node")
-    ap.add_argument("--inter-us", type=float, default=d.inter_alpha * 1e6, help="per message between nodes")
-    ap.add_argument("--oversubscription", type=float, default=1.0)
+    ap.add_argument("--ranks", type=int, default=1024, help="world size, in node blocks")
+    ap.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node, help="G, GPUs per node")
+    ap.add_argument("--intra-gbs", type=float, default=round(1e-9 / d.intra_beta, 6),
+                    help="GB/s, one rank inside a node")
+    ap.add_argument("--inter-gbs", type=float, default=round(1e-9 / d.inter_beta, 6),
+                    help="GB/s, one node's fabric link")
+    ap.add_argument("--intra-us", type=float, default=round(d.intra_alpha * 1e6, 6), help="per message inside a node")
+    ap.add_argument("--inter-us", type=float, default=round(d.inter_alpha * 1e6, 6), help="per message between nodes")
+    ap.add_argument("--oversubscription", type=float, default=1.0, help="fabric: M/s node links' worth at once")
     ap.add_argument("--calibrate", action="store_true", help="predictions against benchmarks/results")
     ap.add_argument("--plot", metavar="PNG", help="write the phase 5 lesson's figure")
     return ap
@@ -323,8 +325,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.plot:
             print(f"wrote {netsim_report.plot(args.plot)}")
         return
-    topo = Topology(args.ranks_per_node, args.intra_us * 1e-6, 1e-9 / args.intra_gbs, args.inter_us * 1e-6,
-                    1e-9 / args.inter_gbs, args.oversubscription)
+    topo = Topology(args.ranks_per_node, args.intra_us / 1e6, 1 / (args.intra_gbs * 1e9), args.inter_us / 1e6,
+                    1 / (args.inter_gbs * 1e9), args.oversubscription)
     rows = []
     for algo in ALGORITHMS[args.op]:
         why = applicable(args.op, algo, args.ranks, topo)
