@@ -25,7 +25,6 @@ import statistics
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from benchmarks.common import machine_info, write_result
 from benchmarks.harness import format_row, launch, load_of, spread, stat_row
