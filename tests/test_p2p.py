@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distlab import p2p
+from distlab import p2p, p2p_sizes
 from distlab.comm import CommLedger
 from distlab.spawn import run_distributed
 
@@ -108,7 +108,7 @@ def _worker_size_mismatch(rank, world_size, case):
             dist.send(torch.ones(4), dst=1) if rank == 0 else dist.recv(stale, src=0)
             assert p2p._deferred or rank == 0, "the verdict was read at the receive: a host sync on CUDA"
     elif case == "deferred, last receive":  # the rank ends with a header unread: the launcher's flush reads it
-        p2p._defer_on_cpu = True  # CUDA's path, with no flush of its own (the context manager would flush)
+        p2p_sizes._defer_on_cpu = True  # CUDA's path, with no flush of its own (the context manager would flush)
         dist.send(torch.ones(4), dst=1) if rank == 0 else dist.recv(stale, src=0)
     return on, stale.tolist()
 
