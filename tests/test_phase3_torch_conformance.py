@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from distlab import load
 from distlab.spawn import run_distributed
 from distlab.models import seeded
-from distlab.testing import assert_tensors_close, shard
+from distlab.testing import assert_equal, assert_tensors_close, shard
 
 PHASE = "phase3_multi_node"
 WORLD_SIZE = 2
@@ -112,7 +112,8 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, steps:
 
 
 def _nonfinite_norm_raises(model: nn.Module, optimizer, rank: int, world_size: int, accumulation: str) -> None:
-    """error_if_nonfinite: an infinite loss, on every rank, raises from the clip (after the results)."""
+    """error_if_nonfinite: an infinite loss, on every rank, raises from the clip (after the results);
+    ZeRO-1: a backward between its clip and step raises."""
     if accumulation == "fsdp2":
         model.set_requires_gradient_sync(True)
     elif accumulation == "flag":
@@ -121,6 +122,12 @@ def _nonfinite_norm_raises(model: nn.Module, optimizer, rank: int, world_size: i
     (F.cross_entropy(model(shard(x, rank, world_size)), shard(y, rank, world_size)) * math.inf).backward()
     with pytest.raises(RuntimeError, match="non-finite"):
         _clip(model, optimizer, 1.0, None, error_if_nonfinite=True)
+    if getattr(optimizer, "stage", None) == 1:  # ZeRO-1's clip averages early: a backward after it is refused
+        optimizer.zero_grad(set_to_none=True)
+        for expected in (None, r"backward after clip_grad_norm_ and before step"):
+            with pytest.raises(RuntimeError, match=expected) if expected else contextlib.nullcontext():
+                F.cross_entropy(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+            optimizer.clip_grad_norm_(1.0)
 
 
 SHARDED_MODELS = ("torch_fsdp2", "course_fsdp")  # each rank saves and loads its own file

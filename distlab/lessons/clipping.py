@@ -248,6 +248,9 @@ class ZeroGradViews:
         return self.grad_flats[i][self.buckets[i].offsets[j]:self.buckets[i].offsets[j] + p.numel()].view_as(p)
 
     def _on_stage1_grad(self, p: torch.nn.Parameter) -> None:
+        if self._averaged:  # it would add this rank's gradient to everyone's mean, which step would not redo
+            raise RuntimeError("ZeroOptimizer(stage=1): backward after clip_grad_norm_ and before step(): "
+                               "clip after the last backward of a step (as torch's clip_grad_norm_ is meant)")
         self._unused.used(p)
         self._collect_stage1_grad(p)  # after model.zero_grad(): autograd made a new tensor
 
