@@ -20,10 +20,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from distlab import doctor, hooks, p2p, role, testing, trace
+from distlab import doctor, hooks, outcome, p2p, role, testing, trace
 from distlab.devices import loopback_interface
 from distlab.procs import _PR_SET_CHILD_SUBREAPER, _PR_SET_PDEATHSIG, RUN_MARKER_ENV, _descendants, _prctl, kill_process_tree
-from distlab.todo import LearnerTODO
 
 
 class InitError(RuntimeError):
@@ -114,8 +113,7 @@ def child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s,
         p2p.flush_size_checks()  # headers still in flight (CUDA's deferred check) are read before "ok"
         message = ("ok", result, testing.take_records() if testing.recording() else None)
     except BaseException as exc:  # reported to the parent, never swallowed
-        message = ("error", type(exc).__module__, type(exc).__qualname__, str(exc),
-                   traceback.format_exc(), isinstance(exc, LearnerTODO))
+        message = outcome.failure(exc)
     trace.finish_rank()  # before the hooks' checks: the ledger's patches of torch.distributed are gone
     for hook in reversed(rank_hooks):
         message = hook.leave(message)  # a graded run: a refused action or a patched verdict function fails the rank
@@ -125,8 +123,7 @@ def child(fn, rank, world_size, args, kwargs, backend, store_path, pg_timeout_s,
         # as shared-memory handles, which die with this process before the parent reads them.
         payload = pickle.dumps(message)
     except Exception as exc:  # e.g. an unpicklable result
-        payload = pickle.dumps(("error", "builtins", "RuntimeError", f"could not send the result back: {exc}",
-                                traceback.format_exc(), False))
+        payload = pickle.dumps(outcome.failure_text(f"could not send the result back: {exc}", traceback.format_exc()))
     # Helpers this rank started (it is their subreaper) end before the result goes out: once the
     # launcher has every result it terminates the ranks, and their helpers would be orphaned.
     for pid in _descendants(os.getpid()):

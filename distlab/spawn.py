@@ -40,7 +40,6 @@ Workers never read the environment; ``distlab.launch.init_from_env`` is the torc
 from __future__ import annotations
 
 import atexit
-import builtins
 import multiprocessing as mp
 import os
 import pickle
@@ -52,19 +51,13 @@ import uuid
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
-from distlab import doctor, hooks, role, testing
+from distlab import doctor, hooks, outcome, testing
 from distlab.devices import resolve_backend
 from distlab.procs import kill_process_tree, marked_environ
 from distlab.rank import InitError, child
-from distlab.todo import LearnerTODO
+from distlab.outcome import RankError  # noqa: F401 - its home was here: callers import it from spawn
 
 _CTX = None
-
-
-def __getattr__(name: str):
-    if name == "_IN_RUN_DISTRIBUTED":  # distlab/launch.py's spelling of role.is_rank() (distlab/role.py)
-        return role.is_rank()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _context():
@@ -106,10 +99,6 @@ def _stop_helpers() -> None:
             pass
 
 
-class RankError(RuntimeError):
-    """A rank failed with an exception whose type could not be rebuilt in the parent."""
-
-
 _BENCH_FRAMES = tuple(f"{os.sep}distlab{os.sep}{name}" for name in ("spawn.py", "rank.py", "procs.py", "testing.py"))
 
 
@@ -126,23 +115,10 @@ def _learner_frames(tb: str, qualname: str, msg: str) -> str:
 
 
 def _rebuild(rank: int, module: str, qualname: str, msg: str, tb: str, is_todo: bool) -> BaseException:
-    # The rank leads the message once: test messages that already start with it keep theirs.
-    lead = "" if re.match(rf"rank {rank}\b", msg) else f"rank {rank}: "
-    if is_todo:
-        # One line: the learner needs the TODO and the guideline section, not a traceback.
-        return LearnerTODO(f"{lead}{msg}")
-    text = f"{lead}{msg if msg.strip() else qualname.rsplit('.', 1)[-1] + ' (no message)'}"
-    exc_type = getattr(builtins, qualname, None) if module == "builtins" else None
-    exc = None
-    if isinstance(exc_type, type) and issubclass(exc_type, Exception):
-        try:
-            exc = exc_type(text)
-        except Exception:
-            pass
-    if exc is None:
-        exc = RankError(f"{module}.{qualname}: {text}")
-    # Shown by distlab.pytest_plugin under the one-line message, instead of the launcher's frames.
-    exc.rank_traceback = f"--- in rank {rank} ---\n{_learner_frames(tb, qualname.rsplit('.', 1)[-1], msg)}"
+    # The one rebuild (distlab/outcome.py), then the rank's own frames in place of the launcher's.
+    exc = outcome.rebuild(("error", module, qualname, msg, tb, is_todo), rank)
+    if not is_todo:  # a TODO is one line: the learner needs the TODO and the guideline section, not a traceback
+        exc.rank_traceback = f"--- in rank {rank} ---\n{_learner_frames(tb, qualname.rsplit('.', 1)[-1], msg)}"
     return exc
 
 

@@ -140,3 +140,18 @@ def test_a_reference_run_that_fails_is_run_again_then_left_out_never_charged(mon
     assert calls == ["solutions", "solutions"]
     _reference_runs(monkeypatch, timeout, timeout)
     assert _verdict(("passed", [])).startswith("skipped: left out of the score: the same test on the reference failed twice")
+
+
+def test_one_result_type_and_one_rebuild():
+    """Reports of a failure are built by distlab/outcome.py's failure() and turned back into exceptions by its
+    rebuild() alone (there were five builders and two rebuilds, which drifted apart)."""
+    built, rebuilt = [], []
+    for path in sorted((REPO / "distlab").rglob("*.py")):
+        text = path.read_text()
+        if path.name == "outcome.py":
+            continue
+        if '("error", "' in text or "('error', '" in text:
+            built.append(str(path.relative_to(REPO)))
+        if "getattr(builtins, qualname" in text:
+            rebuilt.append(str(path.relative_to(REPO)))
+    assert not built and not rebuilt, f"failure reports built outside distlab/outcome.py: {built}; rebuilt: {rebuilt}"

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from distlab import load
 from distlab.procs import kill_process_tree, marked_environ
 from distlab.spawn import run_distributed
-from distlab.testing import assert_at_most, assert_equal, assert_tensors_close, reference_prerequisites
+from distlab.lessons import ckpt_files
+from distlab.testing import assert_at_most, assert_equal, assert_tensors_close, given_prerequisites
 from distlab.todo import LearnerTODO
 
 PHASE = "phase4_production"
@@ -226,9 +227,9 @@ def test_rng_restore_matches_uninterrupted_draws():
 
 # --------------------------------------------------------------------------- 4.4 manager
 def _worker_manager(rank, world_size, directory):
-    # 4.4 alone: saving and verifying (4.1, 4.2) come from the reference.
-    ckpt = reference_prerequisites(load(PHASE, "checkpoint"), PHASE, ["save_file", "load_file", "verify_file",
-                                                                      "CheckpointError"])
+    # 4.4 alone: saving and verifying (4.1, 4.2) come from the bench's copy (distlab/lessons/ckpt_files.py).
+    ckpt = load(PHASE, "checkpoint")
+    ckpt = given_prerequisites(ckpt, ckpt_files.given(ckpt))
     manager = ckpt.CheckpointManager(directory, keep=3)
     assert manager.latest() is None, f"rank {rank}: an empty directory has no checkpoint"
     for step in (2, 4, 6, 8):
@@ -298,9 +299,9 @@ def test_manager_falls_back_to_newest_good_checkpoint(world_size, tmp_path):
 
 
 def _worker_two_runs(rank, world_size, directory):
-    # 4.4 alone: saving and verifying (4.1, 4.2) come from the reference (patched in this rank only).
-    ckpt = reference_prerequisites(load(PHASE, "checkpoint"), PHASE, ["save_file", "load_file", "verify_file",
-                                                                      "CheckpointError"])
+    # 4.4 alone: saving and verifying (4.1, 4.2) come from the bench's copy (patched in this rank only).
+    ckpt = load(PHASE, "checkpoint")
+    ckpt = given_prerequisites(ckpt, ckpt_files.given(ckpt))
     with ckpt.CheckpointManager(directory, keep=3) as other:  # closed before this run takes the directory
         for step in (14, 16, 18):
             other.save(step, {"weight": torch.zeros(7)})

@@ -69,6 +69,7 @@ ATTR_FUNCTIONS = ("getattr", "setattr", "delattr", "hasattr")
 # The bench's given copies of taught functions: a later exercise gets them from distlab, and the
 # exercise that teaches them may never import them (whatever its untouched template says).
 BENCH_COPIES = {
+    "checkpoint": {"distlab.lessons.ckpt_files": {"given"}},
     "trainer": {"distlab.lessons.sync": {"broadcast_module", "broadcast_tensors", "allreduce_gradients", "average_buffers"}},
     "tp_primitives": {"distlab.lessons.tp": {"copy_to_region", "reduce_from_region", "gather_from_region",
                                      "scatter_to_region", "_CopyToRegion", "_ReduceFromRegion",

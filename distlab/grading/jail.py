@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distlab import outcome
+
 REPO = Path(__file__).resolve().parents[2]
 USER_ENV = "DISTLAB_SANDBOX_USER"  # as root: the identity learner code runs as (default: nobody)
 COPIED = ("distlab", "tests", "demos", "configs", "pyproject.toml")  # and every phase*/ folder
@@ -97,9 +99,9 @@ class Jail:
             f"(exit {proc.returncode})")
         for nodeid in nodeids:
             if nodeid not in outcomes:
-                outcomes[nodeid] = ("error", "builtins", "RuntimeError",
-                                    f"the test sent no outcome from the grading jail (it ended with exit code "
-                                    f"{proc.returncode}; its last line: {_last_line(output)})", output[-3000:], False)
+                outcomes[nodeid] = outcome.failure_text(
+                    f"the test sent no outcome from the grading jail (it ended with exit code {proc.returncode}; "
+                    f"its last line: {_last_line(output)})", output[-3000:])
         shutil.rmtree(scratch, ignore_errors=True)
         return outcomes
 
@@ -235,15 +237,15 @@ def read_outcomes(out: Path, nodeids: list[str]) -> dict[str, tuple]:
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_size > OUTCOME_LIMIT:
-                outcome = _refused(f"its outcome file is not a regular file under {OUTCOME_LIMIT >> 20} MiB")
+                got = _refused(f"its outcome file is not a regular file under {OUTCOME_LIMIT >> 20} MiB")
             else:
                 with os.fdopen(fd, "rb", closefd=False) as f:
-                    outcome = checked(_loads(f.read()))
+                    got = checked(_loads(f.read()))
         except Exception as exc:  # noqa: BLE001 - whatever the jail wrote, it is a failure, never a pass
-            outcome = _refused(f"its outcome does not read as the grader's data ({str(exc)[:200]})")
+            got = _refused(f"its outcome does not read as the grader's data ({str(exc)[:200]})")
         finally:
             os.close(fd)
-        outcomes[nodeid] = outcome
+        outcomes[nodeid] = got
     return outcomes
 
 
@@ -254,7 +256,7 @@ def _loads(payload: bytes):
 
 
 def _refused(why: str) -> tuple:
-    return ("error", "builtins", "RuntimeError", f"the graded run's outcome was refused: {why}", "", False)
+    return outcome.failure_text(f"the graded run's outcome was refused: {why}")
 
 
 def checked(message) -> tuple:

@@ -21,8 +21,7 @@ import traceback
 
 import pytest
 
-from distlab import testing
-from distlab.todo import LearnerTODO
+from distlab import outcome, testing
 
 OUT_ENV = "DISTLAB_OUTCOMES"
 
@@ -40,8 +39,8 @@ def pytest_runtest_setup(item):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
+    result = yield
+    report = result.get_result()
     if report.when == "call" or (report.when == "setup" and not report.passed):
         _write(item, _message(report, call))
 
@@ -54,7 +53,7 @@ def _message(report, call) -> tuple:
         return ("skipped", str(getattr(exc, "msg", "") or report.longrepr)[:1000])
     exc = call.excinfo.value if call.excinfo is not None else RuntimeError("failed")
     tb = getattr(exc, "rank_traceback", None) or "".join(traceback.format_exception(exc))[-6000:]
-    return ("error", type(exc).__module__, type(exc).__qualname__, str(exc)[:4000], tb, isinstance(exc, LearnerTODO))
+    return outcome.failure(exc, tb)
 
 
 def _write(item, message: tuple) -> None:
@@ -68,7 +67,7 @@ def _write(item, message: tuple) -> None:
         torch.save(message, buffer)
     except Exception as exc:  # noqa: BLE001 - a record that does not save is the test's failure
         buffer = io.BytesIO()
-        torch.save(("error", "builtins", "RuntimeError", f"could not send the outcome: {exc}", "", False), buffer)
+        torch.save(outcome.failure_text(f"could not send the outcome: {exc}"), buffer)
     path = os.path.join(os.environ[OUT_ENV], f"{index}.pt")
     with open(path + ".tmp", "wb") as f:
         f.write(buffer.getvalue())

@@ -25,6 +25,7 @@ import sys
 import threading
 from pathlib import Path
 
+from distlab import outcome
 from distlab.grading.isolation import BenchGuard
 from distlab.loader import IMPL_ENV, STUDENT_DIR_ENV
 
@@ -176,4 +177,4 @@ def leave_rank(message: tuple) -> tuple:
         f"graded code changed the bench's {', '.join(changed)} (the exercise scores 0)" if changed else None)
     if why is None:
         return message
-    return ("error", "builtins", "PermissionError", why, "", False)
+    return outcome.failure(PermissionError(why), "")

@@ -33,9 +33,8 @@ from pathlib import Path
 
 import pytest
 
-from distlab import role, testing
+from distlab import outcome, role, testing
 from distlab.loader import IMPL_ENV, STUDENT_DIR_ENV
-from distlab.todo import LearnerTODO
 
 
 def _die_when_parent_does(fd: int) -> None:
@@ -63,24 +62,23 @@ def _child_body(item, impl: str | None = None) -> tuple:
     except pytest.skip.Exception as exc:
         return ("skipped", str(exc.msg))
     except BaseException as exc:  # everything goes back to the parent, never swallowed
-        return ("error", type(exc).__module__, type(exc).__qualname__, str(exc),
-                getattr(exc, "rank_traceback", None) or traceback.format_exc(), isinstance(exc, LearnerTODO))
+        return outcome.failure(exc, getattr(exc, "rank_traceback", None) or traceback.format_exc())
 
 
 def run_in_child(item) -> None:
     """The verdict on ``item``: its outcome from the jail (distlab/grading/jail.py), and where it passed,
     its recorded checks held here against the same test run on the reference (:func:`compare`)."""
-    outcome = getattr(item.config, "_jail_outcomes", {}).get(item.nodeid) or (
-        "error", "builtins", "RuntimeError", "the test was not run in the grading jail", "", False)
-    if outcome[0] == "error":
-        _raise(outcome)
+    graded = getattr(item.config, "_jail_outcomes", {}).get(item.nodeid) or outcome.failure_text(
+        "the test was not run in the grading jail")
+    if graded[0] == "error":
+        _raise(graded)
     reference = _cached(item)
     if reference is None:
         reference = reference_checks(item)  # skips (the bench's skip) or leaves the test out (the bench failed)
-    if outcome[0] == "skipped":
-        raise AssertionError(f"the graded run skipped this test ({outcome[1][:200]}) where the reference ran it: "
+    if graded[0] == "skipped":
+        raise AssertionError(f"the graded run skipped this test ({graded[1][:200]}) where the reference ran it: "
                              "a skip is the bench's to make (no GPU), so it counts as failed")
-    compare(outcome[1], reference)
+    compare(graded[1], reference)
 
 
 def reference_checks(item) -> list[dict]:
@@ -92,27 +90,27 @@ def reference_checks(item) -> list[dict]:
     folder = item.funcargs.get("tmp_path")
     before = _snapshot(folder)
     try:
-        outcome = _fork(item, impl="solutions")
-        if outcome[0] not in ("passed", "skipped"):
+        ran = _fork(item, impl="solutions")
+        if ran[0] not in ("passed", "skipped"):
             _restore(folder, before)  # the second run starts from what the fixtures left, as the first did
-            outcome = _fork(item, impl="solutions")
+            ran = _fork(item, impl="solutions")
     finally:
         if before is not None:
             shutil.rmtree(before, ignore_errors=True)
-    if outcome[0] == "skipped":  # on this machine the test cannot run (no GPU): nothing to compare
-        _raise(outcome)
-    if outcome[0] != "passed":
-        pytest.skip(f"left out of the score: the same test on the reference failed twice ({str(outcome[3])[:200]}), "
+    if ran[0] == "skipped":  # on this machine the test cannot run (no GPU): nothing to compare
+        _raise(ran)
+    if ran[0] != "passed":
+        pytest.skip(f"left out of the score: the same test on the reference failed twice ({str(ran[3])[:200]}), "
                     "so the graded run cannot be verified; a bench problem, not the submission's")
     path = _cache_path(item)
     scratch = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        scratch.write_bytes(_dumps(outcome[1]))
+        scratch.write_bytes(_dumps(ran[1]))
         os.replace(scratch, path)  # whole or absent: grading runs side by side share the cache
     except OSError:
         pass  # a read-only checkout: the next grading run runs the reference again
-    return outcome[1]
+    return ran[1]
 
 
 # The reference's checks depend on the tests, the reference and the bench only, not on the submission:
@@ -230,7 +228,7 @@ def _fork(item, impl: str | None = None) -> tuple:
         try:
             payload = _dumps(message)
         except Exception as exc:
-            payload = _dumps(("error", "builtins", "RuntimeError", f"could not send the outcome: {exc}", "", False))
+            payload = _dumps(outcome.failure_text(f"could not send the outcome: {exc}"))
         with os.fdopen(out_w, "wb") as f:
             f.write(payload)
         os._exit(0)
@@ -272,22 +270,8 @@ def _loads(payload: bytes):
 
 
 def _raise(message: tuple) -> None:
-    import builtins
-
     if message[0] == "passed":
         return
     if message[0] == "skipped":
         pytest.skip(message[1])
-    _, module, qualname, text, tb, is_todo = message
-    if is_todo:
-        raise LearnerTODO(text)
-    exc_type = getattr(builtins, qualname, None) if module == "builtins" else None
-    if isinstance(exc_type, type) and issubclass(exc_type, Exception):
-        try:
-            exc = exc_type(text)
-        except Exception:
-            exc = RuntimeError(f"{qualname}: {text}")
-    else:
-        exc = RuntimeError(f"{module}.{qualname}: {text}")
-    exc.rank_traceback = tb
-    raise exc
+    raise outcome.rebuild(message)  # the one rebuild (distlab/outcome.py)
