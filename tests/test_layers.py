@@ -140,3 +140,30 @@ def test_names_that_left_launch_still_import_from_it():
     from distlab.launch import RankError, run_distributed
     assert (run_distributed, RankError) == (spawn.run_distributed, spawn.RankError)
     assert "distlab.launch" not in import_graph(REPO)["distlab.spawn"], "spawn imports launch: a cycle"
+
+
+MAX_LINES = 400  # issue 31: a module of the bench reads top to bottom; past this it holds more than one job
+
+
+def long_modules(root: Path, limit: int = MAX_LINES) -> list[str]:
+    """``distlab/<module>.py: N lines`` for every module of the package (subpackages too) over ``limit`` lines."""
+    found = []
+    for path in sorted((root / "distlab").rglob("*.py")):
+        lines = len(path.read_text().splitlines())
+        if lines > limit:
+            found.append(f"{path.relative_to(root).as_posix()}: {lines} lines")
+    return found
+
+
+def test_no_distlab_module_is_over_400_lines():
+    """No module of distlab/ is over 400 lines: split a longer one by job (p2p.py: the lesson API, the
+    strict checker, the size check), re-exporting what callers import from the old module."""
+    long = long_modules(REPO)
+    assert not long, f"distlab modules over {MAX_LINES} lines (split each by job):\n" + "\n".join(long)
+
+
+def test_the_line_check_sees_a_long_module(tmp_path):
+    (tmp_path / "distlab" / "lessons").mkdir(parents=True)
+    (tmp_path / "distlab" / "short.py").write_text("x = 1\n" * MAX_LINES)
+    (tmp_path / "distlab" / "lessons" / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    assert long_modules(tmp_path) == [f"distlab/lessons/long.py: {MAX_LINES + 1} lines"]
