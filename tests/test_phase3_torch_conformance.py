@@ -266,22 +266,24 @@ def _assert_same(got: dict, expected: dict, what: str, buffers: bool = True, **t
     for where, a, b in pairs:  # rtol=atol=0: bitwise
         assert_tensors_close(a, b, where, tol.get("rtol", 0), tol.get("atol", 0))
     if tol:
-        torch.testing.assert_close(got["norms"], expected["norms"], **tol, msg=lambda m: f"{what}, norms: {m}")
+        assert_tensors_close(torch.tensor(got["norms"]), torch.tensor(expected["norms"]), f"{what}, norms", **tol)
     else:
-        assert got["norms"] == expected["norms"], f"{what}: clipped norms {got['norms']} vs {expected['norms']}"
+        assert_equal(got["norms"], expected["norms"], f"{what}: clipped norms {got['norms']} vs {expected['norms']}")
     if not buffers:  # evaluation reads the running statistics
         return
     if tol:
-        torch.testing.assert_close(got["evals"], expected["evals"], **tol)
+        assert_tensors_close(torch.tensor(got["evals"]), torch.tensor(expected["evals"]), f"{what}, eval losses",
+                             **tol)
     else:
-        assert got["evals"] == expected["evals"], f"{what}: eval losses {got['evals']} vs {expected['evals']}"
+        assert_equal(got["evals"], expected["evals"], f"{what}: eval losses {got['evals']} vs {expected['evals']}")
 
 
 def _unused_untouched(results: dict, what: str) -> None:
     """The unused layer kept its (rank 0's, broadcast or loaded) initial values: never decayed."""
     for name in ("unused.weight", "unused.bias"):
         t = results["state"][name]
-        assert torch.equal(t, seeded(Net, 0, True, 0.25).state_dict()[name]), f"{what}: {name} moved (decayed?)"
+        assert_tensors_close(t, seeded(Net, 0, True, 0.25).state_dict()[name], f"{what}: {name} moved (decayed?)",
+                             rtol=0, atol=0)
 
 
 def _check_ddp(contender: str, tmp: str, world_size: int = WORLD_SIZE) -> None:
@@ -291,7 +293,8 @@ def _check_ddp(contender: str, tmp: str, world_size: int = WORLD_SIZE) -> None:
     _unused_untouched(ranks[0]["torch_ddp"], "torch DDP")
     for name, t in ranks[0]["torch_ddp"]["state"].items():  # and the replicas agree on the parameters
         if "running" not in name and "num_batches" not in name:
-            assert torch.equal(ranks[1]["torch_ddp"]["state"][name], t), f"torch DDP's replicas differ at {name}"
+            assert_tensors_close(ranks[1]["torch_ddp"]["state"][name], t, f"torch DDP's replicas differ at {name}",
+                                 rtol=0, atol=0)
 
 
 @pytest.mark.exercise("3.10-3.11 DDP overlap per parameter")
@@ -377,7 +380,8 @@ def _worker_zero_state(rank: int, world_size: int) -> None:
         again = solo.state_dict()
         for i, s in full["state"].items():
             for key, v in s.items():
-                assert torch.equal(again["state"][i][key], v), f"state {i}.{key} changed through a W=1 optimizer"
+                assert_tensors_close(again["state"][i][key], v, f"state {i}.{key} changed through a W=1 optimizer",
+                                     rtol=0, atol=0, baseline=False)
         assert again["param_groups"] == full["param_groups"], "param groups changed through a W=1 optimizer"
         # a plain torch optimizer on the same parameters loads it too
         torch.optim.AdamW(seeded(Net, 0).parameters()).load_state_dict(full)
@@ -432,7 +436,8 @@ def _worker_fsdp_state(rank: int, world_size: int, tmp: str) -> None:
     restored = FSDP(seeded(Net, 10))
     restored.load_state_dict(torch.load(io.BytesIO(buf.getvalue())))  # the layout travels in _metadata
     for name, t in restored.state_dict().items():
-        assert torch.equal(t, state[name]), f"rank {rank}: {name} differs after a state_dict round trip"
+        assert_tensors_close(t, state[name], f"rank {rank}: {name} differs after a state_dict round trip", rtol=0,
+                             atol=0, baseline=False)
     everyone = [None] * world_size
     dist.all_gather_object(everyone, state)
     with pytest.raises(ValueError, match=rf"rank {1 - rank} of 2 cannot load into rank {rank} of 2"):
@@ -449,7 +454,8 @@ def _worker_fsdp_state(rank: int, world_size: int, tmp: str) -> None:
     single.load_state_dict(torch.load(Path(tmp) / "full.pt"))  # an ordinary model loads rank 0's file
     for name, t in single.state_dict().items():
         if rank == 0 or not name.startswith("bn.running"):  # buffers: rank 0's (each rank has its own)
-            assert torch.equal(t, expected[name]), f"rank {rank}: full state dict's {name} is not the gathered tensor"
+            assert_tensors_close(t, expected[name], f"rank {rank}: full state dict's {name} is not the gathered tensor",
+                                 rtol=0, atol=0, baseline=False)
 
 
 @pytest.mark.exercise("3.19 ZeRO-3 state dicts")
@@ -480,7 +486,8 @@ def _worker_fsdp_optimizer_state(rank: int, world_size: int) -> None:
     assert [g["params"] for g in full["param_groups"]] == [g["params"] for g in expected["param_groups"]]
     for name, entry in expected["state"].items():
         for key, v in entry.items():
-            assert torch.equal(full["state"][name][key], v), f"rank {rank}: full optimizer state {name}.{key} differs"
+            assert_tensors_close(full["state"][name][key], v, f"rank {rank}: full optimizer state {name}.{key} differs",
+                                 rtol=0, atol=0)
     # Sharded: the same names as torch's (whose values are DTensor shards; ours my [lo, hi) part of each).
     sharded = optimizer_state_dict(course, opt)
     assert list(sharded["state"]) == list(get_optimizer_state_dict(fsdp2, fsdp2_opt)["state"]), f"rank {rank}"
@@ -502,7 +509,8 @@ def _worker_fsdp_optimizer_state(rank: int, world_size: int) -> None:
     for what, (model, optimizer) in zip(("torch's full state", "our sharded state"), restored):
         step(model, optimizer, 2)
         for u, v in zip(course.units, model.units):
-            assert torch.equal(u.shard, v.shard), f"rank {rank}: after loading {what}, unit {u.names[0]} differs"
+            assert_tensors_close(u.shard, v.shard, f"rank {rank}: after loading {what}, unit {u.names[0]} differs",
+                                 rtol=0, atol=0, baseline=False)
 
 
 def test_fsdp_optimizer_state_dict_has_torch_names_full_and_sharded_like_fsdp2():
