@@ -91,7 +91,8 @@ ROUNDS = [
     # The operating system's walls (distlab/grading/jail.py): lint-clean cheats that write from C++ into the
     # checkout, or forge the jail's outcome files; the checkout is out of sight and read-only, an outcome is data.
     {"plant_conftest_from_cpp": "unable to open file <tests/conftest.py> in read-write mode",
-     "forge_outcome_files": "max abs diff"},
+     "forge_outcome_files": "max abs diff",
+     "read_reference_by_path_spelling": "unable to open file <solutions/phase1_data_parallel/trainer.py> in read-only mode: No such file or directory"},
 ]
 
 
