@@ -39,6 +39,7 @@ def host_folder():
         folder.rmdir()
 
 
+@pytest.mark.venv  # .ci/venv_tier: again from a venv in /tmp (kept inside the jail) and as a user (a user namespace)
 def test_every_wall_holds_from_inside(tmp_path, monkeypatch, host_folder):
     student = tmp_path / "student"
     (student / "phase1_data_parallel").mkdir(parents=True)

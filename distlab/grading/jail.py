@@ -62,6 +62,7 @@ class Jail:
         os.chmod(self.root, 0o755)
         make_copy(self.student_dir, self.root / "copy")
         self.identity = identity()
+        self.hide, self.keep = hidden(self.student_dir, self.identity)
 
     def run(self, nodeids: list[str], timeout_s: float, log=print, env: dict[str, str] | None = None) -> dict[str, tuple]:
         """Run ``nodeids`` (this checkout's node ids) in a fresh jail; each one's outcome (missing: it sent none).
@@ -75,11 +76,11 @@ class Jail:
             if self.identity.user:
                 os.chown(scratch / name, *self.identity.user)
         (scratch / "nodeids.json").write_text(json.dumps(nodeids))
-        argv = [self.identity.python, "-m", "pytest", *nodeids, "-p", "distlab.grading.report",
+        argv = [sys.executable, "-m", "pytest", *nodeids, "-p", "distlab.grading.report",
                 "--impl=templates", "-q", "-p", "no:cacheprovider", "--weights=/dev/null",
                 f"--basetemp={jail_path('work', 'pytest')}", "-o", "console_output_style=classic"]
-        spec = {"scratch": str(scratch.resolve()), "copy": str((self.root / "copy").resolve()), "hide": hidden(self.student_dir), "user": self.identity.user,
-                "python_home": self.identity.python_home, "argv": argv, "cwd": jail_path("copy"),
+        spec = {"scratch": str(scratch.resolve()), "copy": str((self.root / "copy").resolve()), "hide": self.hide, "keep": self.keep,
+                "user": self.identity.user, "argv": argv, "cwd": jail_path("copy"),
                 "env": {**jail_environment(self.identity), **(env or {})}}
         cmd = [*self.identity.unshare, sys.executable, "-I", str(Path(__file__).with_name("jail_enter.py")),
                json.dumps(spec)]
@@ -149,8 +150,6 @@ def make_copy(student_dir: Path, dest: Path) -> None:
 class Identity:
     unshare: list[str]
     user: tuple[int, int] | None  # (uid, gid) to become; None: the caller's own, without capabilities
-    python: str  # the interpreter as the jail sees it
-    python_home: str | None  # a prefix to mount at /tmp/python (the jail's user cannot enter it where it is)
 
 
 def identity() -> Identity:
@@ -158,66 +157,56 @@ def identity() -> Identity:
         raise JailUnavailable("no `unshare` here (util-linux): learner code cannot be walled off, so nothing is "
                               "graded; install util-linux, or grade on a machine that has it")
     base = ["unshare", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation", "private"]
-    if os.geteuid() == 0:
-        name = os.environ.get(USER_ENV, "nobody")
-        try:
-            entry = pwd.getpwnam(name)
-        except KeyError:
-            raise JailUnavailable(f"the jail's user {name!r} does not exist: create it or set {USER_ENV}") from None
-        if entry.pw_uid == 0:
-            raise JailUnavailable(f"{USER_ENV}={name} is root: learner code must run as an unprivileged user")
-        user = (entry.pw_uid, entry.pw_gid)
-        unshare = base
-    else:
-        user = None
-        unshare = [base[0], "--user", "--map-root-user", *base[1:]]
-    python, home = _interpreter(user)
-    return Identity(unshare, user, python, home)
+    if os.geteuid() != 0:
+        return Identity([base[0], "--user", "--map-root-user", *base[1:]], None)
+    name = os.environ.get(USER_ENV, "nobody")
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        raise JailUnavailable(f"the jail's user {name!r} does not exist: create it or set {USER_ENV}") from None
+    if entry.pw_uid == 0:
+        raise JailUnavailable(f"{USER_ENV}={name} is root: learner code must run as an unprivileged user")
+    return Identity(base, (entry.pw_uid, entry.pw_gid))
 
 
-def _reachable(path: str, uid: int | None) -> bool:
-    """Whether every folder above ``path`` lets others through (what a different user needs)."""
-    if uid is None:
-        return True
-    path = os.path.realpath(path)
-    while path != "/":
-        path = os.path.dirname(path)
-        if not os.stat(path).st_mode & stat.S_IXOTH:
-            return False
-    return True
+COVERED = ("/tmp", "/var/tmp", "/dev/shm")  # fresh and empty in every jail (jail_enter.py)
 
 
-def _interpreter(user) -> tuple[str, str | None]:
-    """This interpreter, or the same one mounted at /tmp/python when the jail's user cannot reach it."""
-    uid = user[0] if user else None
-    if _reachable(sys.executable, uid) and _reachable(sys.prefix, uid):
-        return sys.executable, None
-    if sys.prefix != sys.base_prefix:
-        raise JailUnavailable(f"the jail's user cannot reach this virtual environment ({sys.prefix}): make it "
-                              "readable by others (a venv under /root is not), or grade with a Python they can run")
-    relative = os.path.relpath(os.path.realpath(sys.executable), os.path.realpath(sys.prefix))
-    return f"/tmp/python/{relative}", os.path.realpath(sys.prefix)
+def _closed_above(path: str) -> str | None:
+    """The topmost folder above ``path`` that others may not enter (pyenv under a 0700 /root), or None."""
+    parts = Path(path).parents
+    return next((str(d) for d in reversed(parts) if str(d) != "/" and not d.stat().st_mode & stat.S_IXOTH), None)
 
 
-def hidden(student_dir: Path) -> list[str]:
-    """What the jail covers: the checkout, the reference cache, the student's own folder, the grader's home."""
-    paths = [REPO, Path(student_dir), Path.home()]
+def interpreter_trees() -> list[str]:
+    """The folders this interpreter runs from (its prefix, its base's, its binary's), as real paths."""
+    trees = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)))}
+    return sorted(t for t in trees if not any(t != o and t.startswith(o + os.sep) for o in trees))
+
+
+def hidden(student_dir: Path, ident: Identity | None = None) -> tuple[list[str], list[str]]:
+    """(covered, kept): what the jail covers with an empty file system (the checkout, the reference cache,
+    the student's folder, the grader's home, and any folder the jail's user cannot enter above the
+    interpreter), and the interpreter's trees it shows again, read-only, at their own paths inside a cover."""
+    paths = {str(p.resolve()) for p in (REPO, Path(student_dir), Path.home())}
     cache = os.environ.get("DISTLAB_REFERENCE_CHECKS")
     if cache:
-        paths.append(Path(cache))
-    return sorted({str(p.resolve()) for p in paths if str(p.resolve()) != "/"})
+        paths.add(str(Path(cache).resolve()))
+    trees = interpreter_trees()
+    if ident is not None and ident.user is not None:
+        paths |= {closed for closed in map(_closed_above, trees) if closed}
+    paths.discard("/")
+    covers = sorted(paths) + list(COVERED)
+    kept = [t for t in trees if any(t == c or t.startswith(c + os.sep) for c in covers)]
+    return sorted(paths), kept
 
 
 def jail_environment(ident: Identity) -> dict[str, str]:
     """A clean environment: nothing of the grader's (tokens, paths), only what the tests need."""
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": jail_path("work"), "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": jail_path("work"), "TMPDIR": jail_path("work"), "LANG": "C.UTF-8",
            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1", "DISTLAB_IMPL": "templates",
            "DISTLAB_OUTCOMES": jail_path("out"), "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"}
-    if ident.python_home:
-        env["LD_LIBRARY_PATH"] = "/tmp/python/lib"  # its libpython: otherwise the loader finds the system's
-        env["PATH"] = f"/tmp/python/bin:{env['PATH']}"
-    else:
-        env["PATH"] = f"{os.path.dirname(sys.executable)}:{env['PATH']}"
+    env["PATH"] = f"{os.path.dirname(sys.executable)}:{env['PATH']}"
     for name in ("DISTLAB_TIMEOUT_SCALE", "CUDA_VISIBLE_DEVICES", "DISTLAB_EXERCISES"):
         if name in os.environ:
             env[name] = os.environ[name]

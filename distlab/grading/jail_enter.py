@@ -15,8 +15,8 @@ In this order, before any learner code exists in the namespace:
    the grader's home;
 3. the jail's own folder is mounted at ``/tmp/sandbox``: ``copy/`` read-only (the private copy of the bench,
    without the reference), ``out/`` and ``work/`` writable;
-4. an interpreter under a folder the jail's user cannot enter (pyenv under /root) is mounted read-only at
-   ``/tmp/python``;
+4. the interpreter's own folders, where a cover hid them (a venv in /tmp, pyenv under a 0700 /root, whose
+   closed folder is covered too), are shown again, read-only, at their own paths;
 5. this process forks: the child drops to the jail's identity and runs the command; this one stays PID 1,
    reaps orphans, and exits with the child's status (which ends every process left in the namespace).
 
@@ -38,7 +38,6 @@ _FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime"
           "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
 PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG = 24, 38, 1
 INSIDE = "/tmp/sandbox"
-PYTHON = "/tmp/python"
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -83,7 +82,7 @@ def read_only_everywhere() -> None:
 
 
 def cover(path: str, mode: int, read_only: bool) -> None:
-    _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"mode={mode:o},size=64m" if not read_only else f"mode={mode:o},size=4k")
+    _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"mode={mode:o}")  # (a tmpfs's default cap: half the memory)
     if read_only:
         _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
@@ -97,27 +96,30 @@ def bind(source_fd: int, target: str, read_only: bool) -> None:
 
 def build(spec: dict) -> None:
     """Steps 1-4 of the module's docstring."""
-    # Hold the folders by descriptor now: /tmp is about to be covered, and the jail's folder lives there.
+    # Hold the folders by descriptor now: the covers are about to hide where they live.
     scratch_fd = os.open(spec["scratch"], os.O_PATH | os.O_DIRECTORY)
     copy_fd = os.open(spec["copy"], os.O_PATH | os.O_DIRECTORY)
-    python_fd = os.open(spec["python_home"], os.O_PATH | os.O_DIRECTORY) if spec.get("python_home") else None
+    kept = [(path, os.open(path, os.O_PATH | os.O_DIRECTORY)) for path in spec.get("keep", [])]
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here reaches the host's mounts
     read_only_everywhere()
     for path in ("/tmp", "/var/tmp", "/dev/shm"):
         if os.path.isdir(path):
             cover(path, 0o1777, read_only=False)
+    hidden = []
     for path in spec["hide"]:
         if os.path.isdir(path):
-            cover(path, 0o755, read_only=True)
+            cover(path, 0o755, read_only=False)  # read-only below, once the kept trees have their folders
+            hidden.append(path)
         elif os.path.exists(path):
             _mount("/dev/null", path, None, MS_BIND)
+    for path, fd in kept:  # the interpreter, at its own path, where a cover hid it
+        bind(fd, path, read_only=True)
+    for path in hidden:
+        _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     bind(scratch_fd, INSIDE, read_only=False)
     bind(copy_fd, f"{INSIDE}/copy", read_only=True)
-    if python_fd is not None:
-        bind(python_fd, PYTHON, read_only=True)
-    for fd in (scratch_fd, copy_fd, python_fd):
-        if fd is not None:
-            os.close(fd)
+    for fd in (scratch_fd, copy_fd, *(fd for _, fd in kept)):
+        os.close(fd)
 
 
 def become(spec: dict) -> None:
