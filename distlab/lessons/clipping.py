@@ -205,9 +205,13 @@ class UnusedParameters:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         return {p for p, f in zip(params, flags.tolist()) if not f}
 
-    def drop_never_updated(self, state: dict[str, Any], units: list, group: dist.ProcessGroup | None) -> dict:
-        """``state`` by parameter name without the parameters of ``units`` no rank ever stepped. Collective."""
-        never = self.never_updated([p for u in units for p in u.params], group)
+    def drop_never_updated(self, state: dict[str, Any], units: list, group: dist.ProcessGroup | None,
+                           local: bool = False) -> dict:
+        """``state`` by parameter name without the parameters of ``units`` no rank ever stepped (collective),
+        or with ``local``, that this rank never stepped (no communication)."""
+        params = [p for u in units for p in u.params]
+        never = ({p for p in params if not bool(self.updated.get(p, True))} if local else
+                 self.never_updated(params, group))
         drop = {n for u in units for p, n in zip(u.params, u.names) if p in never}
         return {n: s for n, s in state.items() if n not in drop}
 

@@ -321,8 +321,8 @@ def optimizer_state_dict(fsdp: nn.Module, optimizer: torch.optim.Optimizer, full
                         entry[key] = v[at:at + hi - lo].clone()
                 state[name] = entry
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": _in_model_order(fsdp, names)})
-    if full:  # a parameter no rank ever stepped has no state in torch (collective)
-        state = fsdp._unused.drop_never_updated(state, fsdp.units, fsdp.group)
+    # a parameter no rank ever stepped has no state in torch (full: agreed by a collective; sharded: mine)
+    state = fsdp._unused.drop_never_updated(state, fsdp.units, fsdp.group, local=not full)
     out = {"state": {n: state[n] for n in _in_model_order(fsdp, state)}, "param_groups": groups}
     if not full:
         out["fsdp"] = {"rank": fsdp.rank, "world_size": fsdp.world_size,
