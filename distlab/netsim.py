@@ -26,8 +26,8 @@ The planner's entry point is ``collective_seconds(op, nbytes, ranks, topology)``
 See phase5_large_models/guidelines.md#collectives-at-scale-by-simulation.
 
     python -m distlab.netsim --op all_reduce --bytes 1e9 --ranks 1024      # every algorithm, fastest first
-    python -m distlab.netsim --calibrate                                    # against this repo's measurements
-    python -m distlab.netsim --plot scale.png                               # the lesson's figure
+    python -m distlab.netsim_report --calibrate                             # against this repo's measurements
+    python -m distlab.netsim_report --plot scale.png                        # the lesson's figure
 """
 from __future__ import annotations
 
@@ -311,20 +311,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--intra-us", type=float, default=round(d.intra_alpha * 1e6, 6), help="per message inside a node")
     ap.add_argument("--inter-us", type=float, default=round(d.inter_alpha * 1e6, 6), help="per message between nodes")
     ap.add_argument("--oversubscription", type=float, default=1.0, help="fabric: M/s node links' worth at once")
-    ap.add_argument("--calibrate", action="store_true", help="predictions against benchmarks/results")
-    ap.add_argument("--plot", metavar="PNG", help="write the phase 5 lesson's figure")
-    return ap
+    return ap  # the calibration and the lesson's figure: python -m distlab.netsim_report
 
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    if args.plot or args.calibrate:
-        from distlab import netsim_report
-        if args.calibrate:
-            netsim_report.print_calibration()
-        if args.plot:
-            print(f"wrote {netsim_report.plot(args.plot)}")
-        return
     topo = Topology(args.ranks_per_node, args.intra_us / 1e6, 1 / (args.intra_gbs * 1e9), args.inter_us / 1e6,
                     1 / (args.inter_gbs * 1e9), args.oversubscription)
     rows = []

@@ -144,8 +144,29 @@ def plot(path: str | Path, topo: Topology = CLUSTER) -> Path:
     ax.legend(fontsize=8)
     fig.suptitle(f"Simulated ({g} GPUs/node, {1e-9 / topo.intra_beta:g} GB/s per GPU inside, "
                  f"{1e-9 / topo.inter_beta:g} GB/s per node across; alpha {topo.intra_alpha * 1e6:g} / "
-                 f"{topo.inter_alpha * 1e6:g} us): python -m distlab.netsim --plot", fontsize=10)
+                 f"{topo.inter_alpha * 1e6:g} us): python -m distlab.netsim_report --plot", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m distlab.netsim_report --calibrate`` / ``--plot PNG`` (this module imports the simulator,
+    which does not import it back)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="the simulator against this repo's measurements, and the lesson's figure")
+    ap.add_argument("--calibrate", action="store_true", help="predictions against benchmarks/results")
+    ap.add_argument("--plot", metavar="PNG", help="write the phase 5 lesson's figure")
+    args = ap.parse_args(argv)
+    if not (args.calibrate or args.plot):
+        ap.error("say --calibrate, --plot PNG or both")
+    if args.calibrate:
+        print_calibration()
+    if args.plot:
+        print(f"wrote {plot(args.plot)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distlab import plan
+from distlab import plan_memory as plan
 from distlab.hardware import A100, Hardware, alpha_beta_seconds, collective_seconds
 from distlab.metrics import format_table
 
