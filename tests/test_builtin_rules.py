@@ -146,7 +146,7 @@ def test_the_static_rules_name_the_exercise(tmp_path, phase, name):
     ("g = getattr\n", "`getattr` other than called with a constant name"),
     ("import functools\nf = functools.reduce(getattr, ['a'], object)\n", "`getattr` other than called"),
     ("import operator\nf = operator.attrgetter('a')\n", "`.attrgetter`"),
-    ("import torch\nf = torch.ops.c10d.allreduce_\n", "the layer under torch.distributed's functions"),
+    ("import torch\nf = torch.ops.c10d.allreduce_\n", "(refused: `c10d`"),
 ])
 def test_the_static_rules_see_through_aliases(tmp_path, source, why):
     from distlab.grading import isolation
@@ -154,3 +154,12 @@ def test_the_static_rules_see_through_aliases(tmp_path, source, why):
     (tmp_path / "t.py").write_text(source)
     problems = isolation.lint(tmp_path / "t.py", "phase1_data_parallel", "collectives")
     assert any(why in p for p in problems), problems
+
+
+def test_a_c10d_layer_is_refused_to_every_template():
+    from distlab.grading import isolation
+
+    problems = isolation.lint(Path(__file__).parent / "cheats" / "torch_c10d_all_reduce" / "template_collectives.py",
+                              "phase1_data_parallel", "trainer")  # no rule of its own: the generic line
+    assert any("the layer under torch.distributed's functions is not for templates (refused: `distributed_c10d`)" in p
+               for p in problems), problems
