@@ -200,8 +200,7 @@ class UnusedParameters:
         """Those of ``params`` no rank ever stepped (torch: no optimizer state). Collective."""
         params = list(params)
         flags = torch.tensor([bool(self.updated.get(p, True)) for p in params], dtype=torch.float32)
-        device = next(iter(self.segments)).device
-        flags = flags.to(device)
+        flags = flags.to(params[0].device)  # the model's device (NCCL), not an offloaded chunk's
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         return {p for p, f in zip(params, flags.tolist()) if not f}
 
