@@ -140,9 +140,32 @@ def make_copy(student_dir: Path, dest: Path) -> None:
     # version and its solution import; the solutions stay out, so their imports come along as data.
     from distlab.grading import isolation
 
-    (dest / isolation.ALLOWANCES).write_text(json.dumps(isolation.all_allowances()))
+    (dest / isolation.ALLOWANCES).write_text(allowances())
     for path in [dest, *dest.rglob("*")]:  # readable by the jail's user, writable by nobody inside
         os.chmod(path, 0o755 if path.is_dir() else 0o644)
+
+
+def allowances() -> str:
+    """The lint's allowances of every template (distlab/grading/isolation.py), as JSON: rendered from the
+    solutions once per version of the bench (a few seconds on 2 cores) and kept beside the reference's
+    recorded checks, which depend on the same files."""
+    from distlab.grading import isolation, verdict
+
+    folder = Path(os.environ.get(verdict.CACHE_ENV) or REPO / ".distlab" / "reference-checks")
+    path = folder / f"allowances-{verdict._bench_digest()}.json"
+    try:
+        return path.read_text()
+    except OSError:
+        pass
+    text = json.dumps(isolation.all_allowances())
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_name(f".{path.name}.{os.getpid()}")
+        scratch.write_text(text)
+        os.replace(scratch, path)
+    except OSError:
+        pass  # a read-only checkout: computed again next time
+    return text
 
 
 # --------------------------------------------------------------------------- who runs inside
