@@ -99,6 +99,8 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, steps:
         if step == 0 and hasattr(optimizer, "clip_grad_norm_"):  # the plain call: raises, naming the method
             with pytest.raises(RuntimeError, match=r"optimizer\.clip_grad_norm_"):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with pytest.raises(RuntimeError, match=r"optimizer\.clip_grad_norm_"):  # a monitor's norm, on a copy
+                torch.stack([p.grad.detach().double().norm() for p in model.parameters() if p.grad is not None]).norm()
         norms.append(_clip(model, optimizer, *CLIPS[step], error_if_nonfinite=True))
         optimizer.step()
         scheduler.step()

@@ -119,6 +119,12 @@ class ModuleClipGradNorm:  # FullyShardedDataParallel's (phase3_multi_node/fsdp.
         return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type, error_if_nonfinite, foreach)
 
 
+# Copies and views of a guarded gradient stay guarded: ``p.grad.detach().double().norm()`` (a monitor's
+# gradient norm) raises too, instead of reading this rank's part as the whole.
+COPIES = {_T.detach, _T.view, _T.view_as, _T.reshape, _T.reshape_as, _T.flatten, torch.flatten, torch.reshape,
+          _T.__getitem__, _T.to, _T.double, _T.float, _T.half, _T.bfloat16, _T.clone, torch.clone, _T.contiguous}
+
+
 class GuardedGrad(ShardedGrad):
     """A ``.grad`` no per-rank norm can be taken of: norms and clamps raise ``_message``."""
 
@@ -129,6 +135,9 @@ class GuardedGrad(ShardedGrad):
             raise RuntimeError(self._message)
         if func is _T.zero_ and self.stride() == (0,) * self.dim():  # model.zero_grad(set_to_none=False)
             return self
+        if func in COPIES and args and args[0] is self:
+            out = func(*args, **kwargs)
+            return guarded_grad(out, out, self._message) if isinstance(out, torch.Tensor) else out
         return NotImplemented
 
 
