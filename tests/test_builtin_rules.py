@@ -37,6 +37,10 @@ import torch.distributed as dist
 
 def via_process_group(t):
     dist.group.WORLD.allreduce([t]).wait()
+
+def via_functional_collectives(t):
+    import torch.distributed._functional_collectives as fc
+    return fc.all_reduce(t, "sum", dist.group.WORLD).wait()
 ''',
     ("phase4_production", "compression"): '''
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -108,6 +112,9 @@ def _worker_rules(rank, world_size, root):
     assert torch.equal(collectives.honest_all_gather(torch.ones(2)), torch.full((2,), 2.0))  # taught: allowed
     ring = _load(root, "phase3_multi_node", "ring_allreduce")
     assert _refused(ring.via_process_group, t).startswith("3.1-3.4 ring")
+    assert "_functional_collectives.all_reduce, called from" in _refused(ring.via_functional_collectives, t)
+    import torch.distributed._functional_collectives as fc
+    assert torch.equal(fc.all_reduce(torch.ones(2), "sum", dist.group.WORLD).wait(), torch.full((2,), 2.0))  # the test's
     comp = _load(root, "phase4_production", "compression")
     assert "torch's distributed/algorithms/ddp_comm_hooks/default_hooks.py" in \
         _refused(comp.calls_torchs_hook, None, _Bucket(torch.ones(3)))

@@ -18,9 +18,10 @@ Two halves read it:
   taught collective (the fp16 DDP hook, ``torch.distributed.nn.functional``) is refused by its file, seen
   between the call and that frame, or when the template's module hands the helper out as its own.
 
-Functional collectives (``torch.ops._c10d_functional``) reach the process group from C++, past any Python
-wrapper: the static rules refuse their names in every template (:data:`BACKDOORS`); at run time they are
-not seen.
+Functional collectives reach the process group from C++, past the ProcessGroup's Python methods: their
+Python entry points (``torch.distributed._functional_collectives.all_reduce``, ...) are refused like the
+method each stands for; ``torch.ops._c10d_functional`` called directly is not seen at run time (the static
+rules refuse its names in every template, :data:`BACKDOORS`).
 """
 from __future__ import annotations
 
@@ -40,6 +41,15 @@ _REDUCE_SCATTER = frozenset({"reduce_scatter", "reduce_scatter_tensor", "_reduce
 _ALL_GATHER = frozenset({"all_gather", "all_gather_into_tensor", "_all_gather_base", "_allgather_base", "allgather",
                          "allgather_coalesced", "allgather_into_tensor_coalesced", "all_gather_single",
                          "all_gather_single_coalesced", "all_gather_coalesced", "all_gather_object"})
+_FUNCOL = "distributed/_functional_collectives.py"  # torch's functional collectives: C++ ops past the ProcessGroup
+# Their public functions, by the ProcessGroup method each stands for (a rule's ``methods`` refuse both).
+_FUNCOL_METHODS = {"all_reduce": "allreduce", "all_reduce_coalesced": "allreduce", "all_reduce_inplace": "allreduce",
+                   "all_gather_tensor": "allgather", "all_gather_tensor_autograd": "allgather",
+                   "all_gather_inplace": "allgather", "all_gather_into_tensor_coalesced": "allgather",
+                   "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_autograd": "reduce_scatter",
+                   "reduce_scatter_tensor_coalesced": "reduce_scatter", "reduce_scatter_inplace": "reduce_scatter",
+                   "all_to_all_single": "all_to_all_single", "all_to_all_single_autograd": "all_to_all_single",
+                   "all_to_all_inplace": "all_to_all_single", "broadcast": "broadcast"}
 # Named in no template, whatever its exercise: the layers under torch.distributed's functions
 # (distributed_c10d, the ProcessGroup class in torch._C) and the functional collectives, which run from C++.
 BACKDOORS = frozenset({"distributed_c10d", "_distributed_c10d", "c10d", "_functional_collectives",
@@ -97,7 +107,7 @@ RULES: tuple[Rule, ...] = (
          "the differentiable all-to-all: write its autograd Function around dist.all_to_all_single, "
          "not with torch.distributed.nn's",
          names=frozenset({"_AlltoAllSingle", "_AlltoAll", "all_to_all_single_autograd", "all_to_all_autograd"}),
-         paths=("torch.distributed.nn",), files=("distributed/nn/",)),
+         paths=("torch.distributed.nn",), files=("distributed/nn/", _FUNCOL)),
 )
 BY_TEMPLATE = {(r.phase, r.template): r for r in RULES}
 
@@ -220,6 +230,21 @@ def _guard_method(cls: type, name: str, label: str) -> None:
     setattr(cls, name, guarded)
 
 
+def _guard_function(module, name: str, method: str) -> None:
+    original = getattr(module, name, None)
+    if original is None or getattr(original, "_refused_by_rules", False):
+        return
+
+    @functools.wraps(original)
+    def guarded(*args, **kwargs):
+        check_call(f"{module.__name__}.{name}", method, _FUNCOL)
+        return original(*args, **kwargs)
+
+    guarded._refused_by_rules = True
+    guarded._raw = original
+    setattr(module, name, guarded)
+
+
 def install_builtin_rules() -> None:
     """In this process (a graded rank, or the process that runs a graded single-process test): every
     ProcessGroup method a rule names, and torch's DistributedSampler, refuse the templates that teach them."""
@@ -234,6 +259,12 @@ def install_builtin_rules() -> None:
             _guard_method(ProcessGroup, name, "ProcessGroup")
     for name in ("__init__", "__iter__", "__len__", "set_epoch"):
         _guard_method(DistributedSampler, name, "DistributedSampler")
+    # Functional collectives reach the process group from C++: refused at their Python entry points (a call
+    # through torch.ops._c10d_functional directly is not seen here; the static rules refuse its names).
+    import torch.distributed._functional_collectives as funcol
+
+    for name, method in _FUNCOL_METHODS.items():
+        _guard_function(funcol, name, method)
     _installed = True
 
 
@@ -243,7 +274,9 @@ def uninstall_builtin_rules() -> None:
     from torch._C._distributed_c10d import ProcessGroup
     from torch.utils.data.distributed import DistributedSampler
 
-    for cls in (ProcessGroup, DistributedSampler):
+    import torch.distributed._functional_collectives as funcol
+
+    for cls in (ProcessGroup, DistributedSampler, funcol):
         for name, value in list(vars(cls).items()):
             if getattr(value, "_refused_by_rules", False):
                 if value._raw is None:
