@@ -129,7 +129,28 @@ def source(tmp_path_factory) -> Path:
     where = tmp_path_factory.mktemp("autograder")
     with zipfile.ZipFile(autograder_zip(where / "autograder.zip")) as z:
         z.extractall(where / "source")
+    SNAPSHOT.update(_digests(where / "source"))
     return where / "source"
+
+
+SNAPSHOT: dict[str, str] = {}  # the unpacked bundle's files before any grading run: path -> sha256
+
+
+def _digests(root: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+def changed_files(source: Path) -> list[str]:
+    """Files of the bundle a grading run changed or added, but for what the grader itself keeps: the
+    reference's recorded checks and the lint's allowances (new files under .distlab/reference-checks/)."""
+    now = _digests(source)
+    changed = [p for p, digest in SNAPSHOT.items() if now.get(p) != digest]
+    added = [p for p in now if p not in SNAPSHOT and not p.startswith(".distlab/reference-checks/")
+             and "__pycache__" not in p]
+    return changed + added
 
 
 def nobody_runs_python() -> bool:
@@ -236,6 +257,32 @@ def test_each_cheat_scores_zero_with_its_reason(round_, round_results, source):
     assert "_worker_naive_dp(*args" not in written.read_text(), "a template wrote to the tests"
     assert "def pytest_runtest_makereport(item, call):\n    yield" not in (source / "tests" / "conftest.py").read_text()
     assert "= 99" not in (source / "grading" / "weights.toml").read_text(), "a template rewrote the weights"
+    assert not changed_files(source), f"the checkout changed: {changed_files(source)}"
+
+
+@catalogue
+@only_in_the_tier
+def test_the_os_walls_round_scores_zero_on_the_local_path_too(source, tmp_path):
+    """The same cheats through an instructor's own command (pytest --impl templates --student-dir=...), run
+    from the unpacked bundle: 0 each, and the checkout as it was."""
+    round_ = ROUNDS[-1]
+    copy = tmp_path / "copy"
+    for name in round_:
+        path = cheat_file(name, tmp_path / "cheats")
+        (template,) = REPO.glob(f"phase*/{path.name}")
+        (copy / template.parent.name).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, copy / template.parent.name / path.name)
+    graded = [GRADED[cheat_file(name).name] for name in round_]
+    out = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_phase1.py",
+                           "-k", " or ".join(f"({k})" for _, k in graded), "--impl=templates",
+                           f"--student-dir={copy}", f"--results-json={out}"],
+                          cwd=source, capture_output=True, text=True, timeout=600)
+    results = {t["name"]: t for t in json.loads(out.read_text())["tests"]}
+    for name, reason in round_.items():
+        test = results[GRADED[cheat_file(name).name][0]]
+        assert test["score"] == 0 and reason in test["output"], (name, test, proc.stdout[-2000:])
+    assert not changed_files(source), f"the checkout changed: {changed_files(source)}"
 
 
 def test_a_patch_at_import_is_put_back_for_the_exercises_graded_after_it(tmp_path, monkeypatch):
