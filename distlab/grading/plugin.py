@@ -36,8 +36,11 @@ def pytest_configure(config):
     if config.getoption("--impl") == "templates":
         if config.getoption("--student-dir"):  # an instructor's grading run: no learner code in this process
             role.become(role.GRADER)
-        else:
-            sandbox.install_hook()  # a learner's own run: the audit hook's messages (single-process tests load here)
+        else:  # a learner's own run, or a grading jail's: single-process tests load templates in this process
+            sandbox.install_hook()  # the audit hook's messages
+            from distlab.grading.rules import install_builtin_rules  # (torch: only in a run that tests templates)
+
+            install_builtin_rules()  # torch's own all_reduce, sampler, ... refused to the templates that teach them
 
 
 @pytest.hookimpl(hookwrapper=True)
