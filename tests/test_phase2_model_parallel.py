@@ -383,7 +383,7 @@ def _worker_pipeline(rank, world_size, schedule, device="cpu"):  # tests/test_gp
             what = f"rank {rank} (stage {rank} of {p}), {schedule}, m={m}, step {step}"
             if rank == p - 1:
                 assert_equal(loss is None, False, f"{what}: the last stage returned no loss")
-                assert_tensors_close(torch.as_tensor(float(loss), dtype=torch.float64), loss_ref.detach().double(),
+                assert_tensors_close(torch.as_tensor(float(loss), dtype=torch.float64), loss_ref.detach().double().cpu(),
                                      f"{what}: loss {loss} != single-process {loss_ref.item()} (mean over micro-batches?)",
                                      rtol=0, atol=1e-12)
             # Gradients: the sum over micro-batches of loss/m is the batch mean's gradient.
@@ -569,7 +569,7 @@ def _worker_model_split(rank, world_size, with_backward):
             loss = ms.train_step(mine, opt, F.cross_entropy, x if rank == 0 else None, y if rank == p - 1 else None,
                                  (batch, HIDDEN), torch.float64)
         if rank == p - 1:
-            assert_tensors_close(torch.as_tensor(float(loss), dtype=torch.float64), loss_ref.detach().double(),
+            assert_tensors_close(torch.as_tensor(float(loss), dtype=torch.float64), loss_ref.detach().double().cpu(),
                                  f"{what}: loss {loss} != unsplit {loss_ref.item()}", rtol=0, atol=1e-12)
         for (name, a), b in zip(mine.named_parameters(), reference[rank].parameters()):
             assert_tensors_close(a.grad, b.grad, f"{what}, gradient of stage parameter {name}", **TOL)
@@ -683,7 +683,7 @@ def _worker_interleaved(rank, world_size):
                                      y if rank == p - 1 else None, F.cross_entropy, m)
             what = f"rank {rank}, interleaved p={p} v={v} m={m}, step {step}"
             if rank == p - 1:
-                assert_tensors_close(torch.as_tensor(float(loss), dtype=torch.float64), loss_ref.detach().double(),
+                assert_tensors_close(torch.as_tensor(float(loss), dtype=torch.float64), loss_ref.detach().double().cpu(),
                                      f"{what}: loss {loss} != single-process {loss_ref.item()}", rtol=0, atol=1e-12)
             for c, chunk in enumerate(chunks):
                 for (name, a), b in zip(chunk.named_parameters(), reference[c * p + rank].parameters()):
