@@ -23,13 +23,14 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import write_result
+from benchmarks.common import machine_info, write_result
 from benchmarks.harness import format_row, rotation, stat_row
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,22 +55,20 @@ def _run(cmd: list[str], env: dict) -> tuple[float, str]:
     return time.monotonic() - start, proc.stdout + proc.stderr
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--exercises", nargs="*", default=EXERCISES)
-    args = ap.parse_args(argv)
+def run(quick: bool = False, out_dir: Path | None = None, repeats: int = 3, exercises: list[str] | None = None) -> dict:
+    """Each exercise's contenders, rotated per repeat; rows graded / tests (``quick``: the first exercise, 2 repeats)."""
     from distlab import bugs
 
+    exercises = exercises or (EXERCISES[:1] if quick else EXERCISES)
+    repeats = 2 if quick else repeats
     work = Path(tempfile.mkdtemp(prefix="distlab-bench-grading-"))
-    rows, raw = [], {}
+    rows, raw = {}, {}
     try:
         honest_copy(work / "copy")
         recorded, cold = work / "recorded", work / "cold"
-        for name in args.exercises:
+        for name in exercises:
             files = bugs.exercise_test_files([name])
-            selection = json.dumps([name])
-            base_env = {**os.environ, bugs.EXERCISES_ENV: selection}
+            base_env = {**os.environ, bugs.EXERCISES_ENV: json.dumps([name])}
             tests = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "distlab.bugs", *files,
                      "--impl=solutions"]
             grade = [sys.executable, "-m", "distlab.grading.grade", f"--student-dir={work / 'copy'}",
@@ -80,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
                           "graded (recorded)": (grade, {**os.environ, "DISTLAB_REFERENCE_CHECKS": str(recorded)}),
                           "graded (cold)": (grade, {**os.environ, "DISTLAB_REFERENCE_CHECKS": str(cold)})}
             times = {k: [] for k in contenders}
-            for repeat in range(args.repeats):
+            for repeat in range(repeats):
                 shutil.rmtree(cold, ignore_errors=True)
                 for who in rotation(list(contenders), repeat):
                     seconds, out = _run(*contenders[who])
@@ -94,15 +93,29 @@ def main(argv: list[str] | None = None) -> None:
             raw[name] = times
             for who in ("graded (recorded)", "graded (cold)"):
                 ratios = [g / t for g, t in zip(times[who], times["tests"])]
-                row = stat_row([ratios], meaning=f"{who} / its tests' own time (1: no cost; budget about 2)",
-                               metric="time", world_size=None, size=name, ours=min(times[who]),
-                               builtin=min(times["tests"]), unit="s")
-                rows.append(row)
-                print(f"{name:<36} {who:<18} {format_row(row)}  (tests {sorted(times['tests'])[len(ratios) // 2]:.1f} s)",
-                      flush=True)
+                rows[f"{name}: {who}"] = stat_row(
+                    [ratios], meaning=f"{who} / its tests' own time (1: no cost; budget about 2)", metric="time",
+                    world_size=None, size=name, ours=statistics.median(times[who]),
+                    builtin=statistics.median(times["tests"]), unit="s")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"wrote {write_result('grading', {'rows': rows, 'times': raw})}")
+    result = {"name": "grading", "machine": machine_info(), "repeats": repeats, "comparisons": rows, "times": raw}
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "grading.json").write_text(json.dumps(result, indent=2, default=float))
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--exercises", nargs="*", default=EXERCISES)
+    ap.add_argument("--quick", action="store_true", help="the first exercise, 2 repeats")
+    args = ap.parse_args(argv)
+    result = run(quick=args.quick, repeats=args.repeats, exercises=None if args.quick else args.exercises)
+    for name, row in result["comparisons"].items():
+        print(f"{name:<56} {format_row(row)}  (tests {row['builtin']:.1f} s, graded {row['ours']:.1f} s)")
+    print(f"wrote {write_result('grading', result)}")
 
 
 if __name__ == "__main__":

@@ -262,6 +262,7 @@ def test_each_cheat_scores_zero_with_its_reason(round_, round_results, source):
 
 @catalogue
 @only_in_the_tier
+@pytest.mark.timeout(660)  # a grading run of three exercises, each in its own jail (about 80 s alone, 600 s cap)
 def test_the_os_walls_round_scores_zero_on_the_local_path_too(source, tmp_path):
     """The same cheats through an instructor's own command (pytest --impl templates --student-dir=...), run
     from the unpacked bundle: 0 each, and the checkout as it was."""
@@ -436,6 +437,7 @@ def test_no_template_may_import_the_bench_copy_of_its_own_exercise(tmp_path):
 
 
 # --------------------------------------------------------------------------- where the verdict is made
+@pytest.mark.e2e  # a whole grading session through nested processes (23 s of the main suite on a fresh clone)
 def test_a_grading_run_runs_the_submission_in_a_jail_and_scores_it_outside(tmp_path):
     """pytest's process runs no learner code: the exercise's tests run in a jail (distlab/grading/jail.py),
     their outcomes come out as data, and the verdict is made outside (distlab/grading/verdict.py)."""
