@@ -50,7 +50,7 @@ def test_every_wall_holds_from_inside(tmp_path, monkeypatch, host_folder):
     monkeypatch.setenv("DISTLAB_PROBE_SECRET_OUTSIDE", "a token")
     hidden = [str(REPO / "solutions" / "phase1_data_parallel" / "collectives.py"), str(REPO / "grading" / "weights.toml"),
               str(REPO / "tests" / "test_phase1.py"), str(cache / "checks.pt"), str(student)]
-    env = {"DISTLAB_PROBE_HIDDEN": json.dumps(hidden),
+    env = {"DISTLAB_PROBE_HIDDEN": json.dumps(hidden), "DISTLAB_PROBE_BUILDING_BLOCKS": json.dumps(jail.BUILDING_BLOCKS),
            "DISTLAB_PROBE_WRITABLE_HOST": json.dumps([str(host_folder)] if host_folder else []),
            "DISTLAB_PROBE_UID": str(pwd.getpwnam("nobody").pw_uid) if os.geteuid() == 0 else ""}
     cell = jail.Jail(student)

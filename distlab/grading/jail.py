@@ -6,8 +6,9 @@ starts one jail (distlab/grading/jail_enter.py builds its walls) and runs that e
 nested pytest, on a private copy of the bench:
 
 * the copy holds the bench (distlab/), the tests, the demos and configs, the phase folders with the
-  student's templates over the untouched ones, and pyproject.toml; not the reference (solutions/), not
-  the grader's files (grading/), not the reference cache (.distlab/), not .git;
+  student's templates over the untouched ones, and pyproject.toml; not the reference (solutions/, but for
+  the few modules graded tests still build on: ``BUILDING_BLOCKS``), not the grader's files (grading/), not
+  the reference cache (.distlab/), not .git;
 * inside, everything is read-only but the jail's own ``out/`` and ``work/`` (and a private ``/tmp``); the
   instructor's checkout, the reference cache, the student's folder and the grader's home are covered
   by empty file systems; the processes run as an unprivileged user (as root: ``DISTLAB_SANDBOX_USER``,
@@ -41,6 +42,13 @@ from distlab import outcome
 REPO = Path(__file__).resolve().parents[2]
 USER_ENV = "DISTLAB_SANDBOX_USER"  # as root: the identity learner code runs as (default: nobody)
 COPIED = ("distlab", "tests", "demos", "configs", "pyproject.toml")  # and every phase*/ folder
+# The reference modules graded tests still take building blocks from (load(..., impl="solutions"): 4.2's
+# tests write a file with the reference's 4.1, the fault-tolerance harness runs on the reference's
+# checkpoint and elastic modules, 2.x and 3.19 build on the reference's tensor parallel and FSDP), with what
+# they import. They are in the jail, so a submission can read them: the hole README's "What a submission
+# cannot do" names, until each has a bench copy as 1.6-1.8's and 4.4's have (distlab/lessons/).
+BUILDING_BLOCKS = ("phase2_advanced/tensor_parallel", "phase2_advanced/tp_primitives", "phase3_multi_node/zero",
+                   "phase3_multi_node/fsdp", "phase4_production/checkpoint", "phase4_production/elastic")
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", "cheats")
 OUTCOME_LIMIT = 64 << 20  # bytes: one test's records (tensors included) are far smaller
 WALLS_DOWN = 97  # jail_enter.py's exit code when a wall could not be built
@@ -149,6 +157,12 @@ def make_copy(student_dir: Path, dest: Path) -> None:
                 theirs = Path(student_dir) / phase.name / template.name
                 if theirs.is_file() and not theirs.is_symlink():
                     shutil.copy(theirs, dest / phase.name / template.name)
+    for block in BUILDING_BLOCKS:
+        phase = block.split("/")[0]
+        (dest / "solutions" / phase).mkdir(parents=True, exist_ok=True)
+        for init in (REPO / "solutions" / "__init__.py", REPO / "solutions" / phase / "__init__.py"):
+            shutil.copy(init, dest / init.relative_to(REPO))
+        shutil.copy(REPO / "solutions" / f"{block}.py", dest / "solutions" / f"{block}.py")
     # The lint (a teaching message, distlab/grading/isolation.py) compares a template with what its untouched
     # version and its solution import; the solutions stay out, so their imports come along as data.
     from distlab.grading import isolation
