@@ -81,10 +81,11 @@ def _data(rank: int, world_size: int, step: int = 0):
 
 
 # --------------------------------------------------------------------------- the meter
-_LOG = logging.getLogger("test_host_sync")  # an INFO logger that formats its records, as a training log does
+# An INFO logger that formats its records, as a training log does; outside logging's tree (no parent), so no
+# other handler formats them too (from the venv, the suite once counted pytest's own formatter and a second
+# handler of a module imported twice: 4 reprs for 1)
+_LOG = logging.Logger("test_host_sync.private", logging.INFO)
 _LOG.addHandler(logging.StreamHandler(io.StringIO()))
-_LOG.setLevel(logging.INFO)
-_LOG.propagate = False
 
 
 def _sync_calls():
