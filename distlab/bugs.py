@@ -53,11 +53,13 @@ def pytest_collection_modifyitems(config, items):
     wanted = os.environ.get(EXERCISES_ENV)
     if not wanted:
         return
-    wanted = set(json.loads(wanted))
+    from distlab.manifest import canonical
+
+    wanted = {canonical(w) for w in json.loads(wanted)}  # ids or full names, as the markers
     keep, drop = [], []
     for item in items:
         marker = item.get_closest_marker("exercise")
-        (keep if marker and marker.args[0] in wanted else drop).append(item)
+        (keep if marker and canonical(marker.args[0]) in wanted else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

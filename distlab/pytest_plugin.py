@@ -6,7 +6,7 @@ tests a copy elsewhere. The choice becomes environment variables, because ranks
 started by run_distributed re-import modules and inherit the environment, not
 pytest's options (see distlab/loader.py).
 
-Tests name their exercise with ``@pytest.mark.exercise("1.1 collectives")``; the
+Tests name their exercise with ``@pytest.mark.exercise("1.4-1.5")`` (its id in distlab/course.toml); the
 run ends with a score per exercise, and ``--results-json PATH`` writes it in
 Gradescope's format (see distlab/grading/grade.py). A test that checks code a template
 gives away ready-made (argument validation, ...) is marked ``scaffold``.
@@ -103,8 +103,10 @@ UNGRADED = "bench"
 
 
 def _exercise(item) -> str:
+    from distlab.manifest import canonical
+
     marker = item.get_closest_marker("exercise")
-    return marker.args[0] if marker else UNGRADED
+    return canonical(marker.args[0]) if marker else UNGRADED  # by id ("1.4-1.5") or full name: the full name
 
 
 def _first_line(excinfo) -> str:
@@ -155,13 +157,10 @@ def pytest_runtest_makereport(item, call):
 
 
 def load_weights(path: str | Path = WEIGHTS) -> dict[str, float]:
-    """Exercise name -> points, from grading/weights.toml (the table an instructor edits)."""
-    import tomllib
+    """Exercise name -> points: distlab/course.toml's, overridden by grading/weights.toml (the instructor's, by id)."""
+    from distlab.manifest import weights
 
-    path = Path(path)
-    if not path.is_file():
-        return {}
-    return {k: float(v) for k, v in tomllib.loads(path.read_text()).get("weights", {}).items()}
+    return weights(path)
 
 
 def exercise_scores(results: dict, weights: dict[str, float] | None = None, collected: dict[str, str] | None = None,
@@ -245,3 +244,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         with open(path, "w") as f:
             json.dump(gradescope_results(scores, results, seconds), f, indent=2)
         tr.write_line(f"wrote {path}")
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item, settings):
+    """pytest-timeout's limit times DISTLAB_TIMEOUT_SCALE, and when it fires for run_distributed (distlab/doctor_watch.py)."""
+    from distlab.doctor_watch import set_test_timer
+
+    return set_test_timer(item, settings)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from distlab.cockpit import checks, course
+from distlab.cockpit import warm as launcher
 from distlab.cockpit.course import Exercise
 
 BAR = 20
@@ -40,12 +41,11 @@ def status(root: Path, out: TextIO) -> None:
 
 
 def first_unfinished(root: Path) -> Exercise | None:
-    state = course.load_state(root)
-    return next((ex for ex in course.exercises() if course.exercise_state(ex, root, state) != "passing"), None)
+    return course.what_next(root)
 
 
 def next_(root: Path, out: TextIO) -> Exercise | None:
-    """The first exercise not passing: its TODO regions (file:line), guideline sections, the command."""
+    """The exercise to work on (course.what_next): its TODO regions (file:line), guideline section, the command."""
     ex = first_unfinished(root)
     if ex is None:
         print("every exercise passes: nothing left to do", file=out)
@@ -53,14 +53,28 @@ def next_(root: Path, out: TextIO) -> Exercise | None:
     print(f"next: {ex.name} ({ex.weight:g} points, "
           f"{course.exercise_state(ex, root, course.load_state(root))})", file=out)
     for r in course.regions_of(ex, root):
-        print(f"  TODO {r.id} {r.title}: {r.path.as_posix()}:{r.line}   (read {r.where})", file=out)
+        # the manifest's section: a region holding the learner's code has no `raise todo` left to read it from
+        print(f"  TODO {r.id} {r.title}: {r.path.as_posix()}:{r.line}   (read {ex.guide})", file=out)
+    print(f"  read it:   python -m distlab guide {ex.key}", file=out)
     print(f"  check it:  {_command(ex)}", file=out)
     print(f"  a hint:    python -m distlab hint {ex.key}", file=out)
     return ex
 
 
 def check(ident: str, root: Path, out: TextIO, trace_dir: Path | None = None, warm: bool = False) -> dict:
-    ex = course.find(ident)
+    """Check the exercise ``ident`` names; a range that is no exercise ("3.1-3.3") checks each one inside it."""
+    chosen = course.select(ident)
+    results = [_check_one(ex, root, out, trace_dir, warm) for ex in chosen]
+    if len(results) == 1:
+        return results[0]
+    every = [t for r in results for t in r["tests"]]
+    return {"passed": sum(r["passed"] for r in results), "total": sum(r["total"] for r in results),
+            "points": sum(r["points"] for r in results), "weight": sum(r["weight"] for r in results),
+            "partial": any(r["partial"] for r in results),
+            "tests": every, "exercises": [ex.name for ex in chosen]}
+
+
+def _check_one(ex: Exercise, root: Path, out: TextIO, trace_dir: Path | None, warm: bool) -> dict:
     print(f"checking {ex.name} on your templates ...", file=out, flush=True)
     result = checks.run_check(ex, root, trace_dir, warm=warm)
     for line in checks.verdict_lines(ex, result):
@@ -72,6 +86,16 @@ def check(ident: str, root: Path, out: TextIO, trace_dir: Path | None = None, wa
         print(f"trace: {merged} (open it in https://ui.perfetto.dev)" if merged else
               f"trace: no rank wrote one under {trace_dir}", file=out)
     return result
+
+
+def guide(ident: str, root: Path, out: TextIO) -> str:
+    """The exercise's guideline section, its hints left out (``hint`` gives them one at a time)."""
+    from distlab.cockpit.hints import section
+
+    ex = course.find(ident)
+    text = section(ex, root)
+    print(text, file=out)
+    return text
 
 
 def hint(ident: str, root: Path, out: TextIO, again: bool = False) -> str | None:
@@ -123,12 +147,47 @@ def reset(ident: str, root: Path, out: TextIO) -> list[Path]:
     return kept
 
 
+def restore(ident: str, root: Path, out: TextIO) -> list[Path]:
+    """Undo ``reset``: each chosen region (as ``reset`` chooses) gets the code it last kept back."""
+    from distlab.cockpit.reset import kept_versions, restore as restore_region
+
+    ex = course.find(ident)
+    regions = course.regions_of(ex, root)
+    chosen = regions if ident.strip() in (ex.key, ex.name) else \
+        [r for r in regions if r.id == ident] or [r for r in regions if r.base == ident]
+    chosen = [r for r in chosen if kept_versions(r, root)] or chosen[:1]
+    if not chosen:
+        raise ValueError(f"no TODO {ident} in your templates: `python -m distlab status` lists the exercises")
+    done = []
+    for r in chosen:
+        back, replaced = restore_region(r, root)
+        done.append(back)
+        print(f"TODO {r.id} in {r.path.as_posix()} holds your code from {back.name} again; what it held was kept in "
+              f"{replaced.relative_to(root).as_posix()}", file=out)
+    state = course.load_state(root)
+    state["checks"].pop(ex.name, None)  # its last verdict was about the code that was there
+    course.save_state(root, state)
+    return done
+
+
+def dev_check(repo: Path, out: TextIO) -> int:
+    """``python -m distlab dev check``: the manifest against the tree, one line per problem."""
+    from distlab.manifest import MANIFEST, check as check_manifest, exercises
+
+    problems = check_manifest(repo)
+    for line in problems:
+        print(line, file=out)
+    print(f"{MANIFEST.relative_to(repo) if MANIFEST.is_relative_to(repo) else MANIFEST}: "
+          + (f"{len(problems)} problem(s)" if problems else f"{len(exercises())} exercises, no problem"), file=out)
+    return 1 if problems else 0
+
+
 def watch(root: Path, out: TextIO, ident: str | None = None, interval_s: float = 0.5, max_checks: int | None = None,
           clear: bool = True, on_check: Callable[[dict], None] | None = None, warm: bool = True) -> int:
-    """Check the current exercise now and whenever its template changes; move on when it passes.
+    """Check an exercise now and whenever its TODO regions change; ``ident`` names it (the watch stays on it),
+    or None: the current exercise (course.what_next), and the next one once it passes.
 
-    Polls the template files' modification time and size every ``interval_s`` (no file-watch
-    dependency). Returns the number of checks run; stops after ``max_checks`` (tests) or Ctrl-C.
+    Polls the exercise's regions (course.fingerprint) every ``interval_s`` (no file-watch dependency). Returns the number of checks run; stops after ``max_checks`` (tests) or Ctrl-C.
     In the learner's own checkout the checks run in the warm launcher (``warm``), which ends with the watch.
     """
     ex = course.find(ident) if ident else first_unfinished(root)
@@ -137,21 +196,25 @@ def watch(root: Path, out: TextIO, ident: str | None = None, interval_s: float =
         while ex is not None and (max_checks is None or runs < max_checks):
             now = course.fingerprint(ex, root)
             if now == seen:
-                time.sleep(interval_s)  # polling: the next look at the file's mtime
+                time.sleep(interval_s)  # polling: the next look at the regions
                 continue
             seen = now
             if clear and out.isatty():
                 out.write("\033[2J\033[H")  # one screen: the latest verdict only
-            result = check(ex.key, root, out, warm=warm)
+            result = _check_one(ex, root, out, None, warm)
             runs += 1
             if on_check:
                 on_check(result)
-            if checks.passed(result):
+            files = ", ".join(dict.fromkeys(p for p, _, _ in seen))
+            if checks.passed(result) and ident is None:  # watching "the current exercise": on to the next one
                 ex = first_unfinished(root)
                 print(f"\n{ex.name if ex else 'nothing'} is next" + (f": {_command(ex)}" if ex else ""), file=out)
                 seen = None
+            elif checks.passed(result):  # the learner named this exercise: stay on it
+                print(f"\n{ex.name} passes; still watching {files} (Ctrl-C stops; "
+                      "`python -m distlab next` says what is next)", file=out)
             else:
-                print(f"\nwatching {', '.join(p for p, _, _ in seen)}: save to check again (Ctrl-C stops)", file=out)
+                print(f"\nwatching {files}: save to check again (Ctrl-C stops)", file=out)
             out.flush()
     except KeyboardInterrupt:
         pass
@@ -192,6 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cold", action="store_true", help="a new pytest for every check, not the warm launcher")
     p = sub.add_parser("reset", parents=[common], help="put a TODO region (1.2) or all of an exercise's (1.1-1.3) back to its stub")
     p.add_argument("id")
+    p = sub.add_parser("restore", parents=[common], help="undo a reset: the code it kept goes back in the region")
+    p.add_argument("id")
+    p = sub.add_parser("guide", parents=[common], help="the exercise's guideline section, without its hints")
+    p.add_argument("id")
+    p = sub.add_parser("dev", parents=[common], help="for contributors: `dev check` checks distlab/course.toml "
+                                                     "against the tree (CONTRIBUTING.md)")
+    p.add_argument("what", choices=["check"])
     return parser
 
 
@@ -219,7 +289,13 @@ def main(argv: list[str] | None = None) -> int:
             watch(root, out, args.id, args.interval, args.max_checks, warm=not args.cold)
         elif args.command == "reset":
             reset(args.id, root, out)
-    except ValueError as exc:
+        elif args.command == "restore":
+            restore(args.id, root, out)
+        elif args.command == "guide":
+            guide(args.id, root, out)
+        elif args.command == "dev":
+            return dev_check(course.REPO, out)
+    except (ValueError, launcher.NotStarted) as exc:
         print(f"distlab {args.command}: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `python -m distlab status | head`: the reader has all it wants

@@ -1,50 +1,27 @@
 """The course as the cockpit sees it: exercises, their TODO regions, their tests, and the state file.
 
-An exercise is a line of grading/weights.toml ("1.1-1.3 all-reduce three ways" = 3): its
-points and the TODO ids it grades together. Its TODO regions are found in the learner's
-templates (``root``: the learner's checkout, this repository by default); its tests are the
-ones marked ``@pytest.mark.exercise("<name>")`` in this repository's tests/. Nothing here
-imports torch or pytest: ``status``, ``next`` and ``hint`` answer at once.
+An exercise is an entry of the course's manifest (distlab/course.toml, read by distlab/manifest.py): its
+id ("1.1-1.3"), title, points, TODO regions, lessons, test files and guideline section. Its TODO regions
+are found in the learner's templates (``root``: the learner's checkout, this repository by default); its
+tests are in this repository's tests/. Nothing here imports torch or pytest: ``status``, ``next`` and
+``hint`` answer at once.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from distlab import manifest
+from distlab.manifest import Exercise, base
 from distlab.templates import TODO_BEGIN, TODO_END, edited_regions
 
-REPO = Path(__file__).resolve().parents[2]  # the checkout that holds the tests and the weights
+REPO = Path(__file__).resolve().parents[2]  # the checkout that holds the tests and the manifest
 STATE = Path(".distlab") / "state.json"  # in the learner's checkout, git-ignored
-_ID = re.compile(r"(\d+)\.(\d+)(?:-(\d+)\.(\d+))?$")
 _TODO_RAISE = re.compile(r'raise todo\("[^"]*", "(?P<where>[^"]+)"\)')
-
-
-@dataclass(frozen=True)
-class Exercise:
-    name: str  # as in weights.toml and the tests' markers: "1.1-1.3 all-reduce three ways"
-    weight: float
-
-    @property
-    def key(self) -> str:
-        """The id a learner types: "1.1-1.3"."""
-        return self.name.split()[0]
-
-    @property
-    def phase(self) -> int:
-        return int(self.key.split(".")[0])
-
-    @property
-    def ids(self) -> list[str]:
-        """The TODO ids it grades: "1.1-1.3" -> 1.1, 1.2, 1.3 (regions 3.8a and 3.8b belong to 3.8)."""
-        m = _ID.match(self.key)
-        if not m:
-            raise ValueError(f"exercise {self.name!r} in weights.toml does not start with an id like 3.4 or 4.1-4.4")
-        lo, hi = int(m[2]), int(m[4] or m[2])
-        return [f"{m[1]}.{i}" for i in range(lo, hi + 1)]
 
 
 @dataclass(frozen=True)
@@ -55,33 +32,59 @@ class Region:
     title: str
     path: Path  # relative to the learner's checkout
     line: int  # of its "# --- TODO" line
-    where: str  # its guideline section, "phase1_data_parallel/guidelines.md#all-reduce-three-ways"
+    where: str  # its guideline section, from the stub's raise (empty once the learner's code replaced it)
 
     @property
     def base(self) -> str:
-        return self.id.rstrip("abcdefghijklmnopqrstuvwxyz")
+        return base(self.id)
 
 
 def exercises(repo: Path = REPO) -> list[Exercise]:
-    """Every graded exercise, in the order of weights.toml (the order of the course)."""
-    table = tomllib.loads((repo / "grading" / "weights.toml").read_text())["weights"]
-    return [Exercise(name, float(points)) for name, points in table.items()]
+    """Every graded exercise, in the manifest's order (the order of the course)."""
+    return manifest.exercises()
+
+
+def _narrowest(todo: str, all_: list[Exercise]) -> Exercise | None:
+    holders = [ex for ex in all_ if base(todo) in ex.ids]
+    return min(holders, key=lambda ex: len(ex.ids)) if holders else None
+
+
+def _unknown(ident: str, all_: list[Exercise]) -> ValueError:
+    keys = ", ".join(ex.key for ex in all_[:6])
+    return ValueError(f"no exercise {ident!r}: use an id from `python -m distlab status` ({keys}, ...)")
 
 
 def find(ident: str, repo: Path = REPO) -> Exercise:
-    """The exercise a learner means by ``ident``: its key ("1.1-1.3"), its name, or one TODO id in it
+    """The exercise a learner means by ``ident``: its id ("1.1-1.3"), its name, or one TODO id in it
     ("1.2": the narrowest exercise that grades TODO 1.2, so "2.5" is "2.5 ...", not "2.3-2.5 ...")."""
     all_ = exercises(repo)
     ident = ident.strip()
-    for ex in all_:
-        if ident in (ex.key, ex.name):
-            return ex
-    base = ident.rstrip("abcdefghijklmnopqrstuvwxyz")
-    holders = [ex for ex in all_ if base in ex.ids]
-    if not holders:
-        keys = ", ".join(ex.key for ex in all_[:6])
-        raise ValueError(f"no exercise {ident!r}: use an id from `python -m distlab status` ({keys}, ...)")
-    return min(holders, key=lambda ex: len(ex.ids))
+    if ex := manifest.lookup(ident):
+        return ex
+    if (ex := _narrowest(ident, all_)) is None:
+        raise _unknown(ident, all_)
+    return ex
+
+
+def select(ident: str, repo: Path = REPO) -> list[Exercise]:
+    """What ``check`` runs for ``ident``: an exercise (by id, name or TODO id, as ``find``), or for a range
+    that is no exercise ("3.1-3.3") every exercise inside it, in the course's order; failing that, the
+    narrowest exercise that holds the whole range ("1.1-1.2": 1.1-1.3)."""
+    all_ = exercises(repo)
+    ident = ident.strip()
+    if manifest.lookup(ident) or "-" not in ident:
+        return [find(ident, repo)]
+    try:
+        ids = manifest.id_range(ident)
+    except ValueError:
+        raise _unknown(ident, all_) from None
+    inside = [ex for ex in all_ if set(ex.ids) <= set(ids)]
+    if inside:
+        return inside
+    around = [ex for ex in all_ if set(ids) <= set(ex.ids)]
+    if not around:
+        raise _unknown(ident, all_)
+    return [min(around, key=lambda ex: len(ex.ids))]
 
 
 def regions(root: Path) -> list[Region]:
@@ -115,23 +118,38 @@ def edited(ex: Exercise, root: Path) -> bool:
     return False
 
 
-def fingerprint(ex: Exercise, root: Path) -> list[list]:
-    """Modification time and size of the exercise's template files: what ``watch`` polls."""
-    paths = sorted({r.path for r in regions_of(ex, root)})
-    return [[p.as_posix(), (root / p).stat().st_mtime_ns, (root / p).stat().st_size] for p in paths]
+def _region_lines(text: str, rid: str) -> str:
+    out, inside = [], False
+    for line in text.splitlines():
+        if (m := TODO_BEGIN.match(line)) and m["id"] == rid:
+            inside = True
+        if inside:
+            out.append(line)
+            if (m := TODO_END.match(line)) and m["id"] == rid:
+                break
+    return "\n".join(out)
+
+
+def fingerprint(ex: Exercise, root: Path) -> list[list[str]]:
+    """The exercise's TODO regions as they are now ([file, id, digest of its lines] each): what ``status``
+    compares with the last check's and ``watch`` polls. Regions, not files: editing 3.4 leaves 3.1-3.3's alone."""
+    out, texts = [], {}
+    for r in regions_of(ex, root):
+        text = texts.setdefault(r.path, (root / r.path).read_text())
+        out.append([r.path.as_posix(), r.id, hashlib.sha1(_region_lines(text, r.id).encode()).hexdigest()[:16]])
+    return out
 
 
 def test_files(ex: Exercise, repo: Path = REPO) -> list[Path]:
-    """The test files that hold the exercise's tests (a text search: no import, no collection)."""
-    marker = f'exercise("{ex.name}")'
-    return [p for p in sorted((repo / "tests").glob("test_*.py")) if marker in p.read_text()]
+    """The test files that hold the exercise's tests (the manifest's list; no import, no collection)."""
+    return [repo / t for t in ex.tests if (repo / t).is_file()]
 
 
 def learner_root(start: Path | None = None) -> Path:
-    """The learner's checkout: the nearest folder above ``start`` (the current one) with grading/weights.toml."""
+    """The learner's checkout: the nearest folder above ``start`` (the current one) with templates and a bench."""
     here = (start or Path.cwd()).resolve()
     for folder in (here, *here.parents):
-        if (folder / "grading" / "weights.toml").is_file() and any(folder.glob("phase*/template_*.py")):
+        if (folder / "distlab" / "course.toml").is_file() and any(folder.glob("phase*/template_*.py")):
             return folder
     return REPO
 
@@ -142,7 +160,13 @@ def load_state(root: Path) -> dict:
     path = root / STATE
     if not path.is_file():
         return {"checks": {}, "hints": {}}
-    state = json.loads(path.read_text())
+    try:
+        state = json.loads(path.read_text())
+        if not isinstance(state, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:  # a crash mid-write of an older version, an editor: one line, not a traceback
+        raise ValueError(f"{path} is corrupt ({exc}): delete it (it only remembers your last checks and the hints "
+                         "you saw; the next check records again)") from None
     state.setdefault("checks", {})
     state.setdefault("hints", {})
     return state
@@ -172,3 +196,28 @@ def exercise_state(ex: Exercise, root: Path, state: dict) -> str:
     if last.get("fingerprint") != fingerprint(ex, root):
         return f"{verdict} (edited since)"
     return verdict
+
+
+def what_next(root: Path) -> Exercise | None:
+    """The exercise to work on: the smallest one holding the first unfinished TODO, in the course's order.
+
+    Rows overlap (2.3-2.4, 2.3-2.5, 2.5): walking the course, the first exercise not passing is next
+    unless one of its TODOs belongs to a smaller exercise not passing yet, which comes first; so a
+    composite (2.3-2.5) is next once each of its TODOs passes in its own exercise.
+    """
+    state, all_, known = load_state(root), exercises(), {}
+
+    def passing(ex: Exercise) -> bool:
+        if ex.name not in known:
+            known[ex.name] = exercise_state(ex, root, state) == "passing"
+        return known[ex.name]
+
+    for ex in all_:
+        if passing(ex):
+            continue
+        for todo in ex.ids:
+            smallest = _narrowest(todo, all_)
+            if smallest is not ex and not passing(smallest):
+                return smallest
+        return ex
+    return None

@@ -43,3 +43,37 @@ def hints(ex: Exercise, root: Path) -> list[tuple[str, str]]:
                 if base in ex.ids:
                     found.setdefault(base, []).extend((ids[0], h) for h in _items(m["body"]))
     return [h for i in ex.ids for h in found.get(i, [])]
+
+
+_DETAILS = re.compile(r"<details>.*?</details>\n?", re.S)
+_HEADING = re.compile(r"^(#+)\s+(.*?)\s*$")
+
+
+def section(ex: Exercise, root: Path) -> str:
+    """The exercise's guideline section (the manifest's anchor, to the next heading as high), hints left out:
+    in a terminal a ``<details>`` block is not collapsed, so every hint would show at once."""
+    from distlab.manifest import _slug
+
+    file, _, anchor = ex.guide.partition("#")
+    path = root / file if (root / file).is_file() else REPO / file
+    lines, out, level, fenced = path.read_text().splitlines(), [], None, False
+    for line in lines:
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        m = None if fenced else _HEADING.match(line)
+        if level is None:
+            if m and _slug(m[2]) == anchor:
+                level = len(m[1])
+                out.append(line)
+            continue
+        if m and len(m[1]) <= level:
+            break
+        out.append(line)
+    if level is None:
+        raise ValueError(f"{file} has no section #{anchor} (the manifest's guide for {ex.id}): read {file} itself")
+    text = "\n".join(out).strip("\n") + "\n"
+    hidden = len(_DETAILS.findall(text))
+    text = re.sub(r"\n{3,}", "\n\n", _DETAILS.sub("", text)).rstrip("\n")
+    if hidden:
+        text += f"\n\n(hints left out: `python -m distlab hint {ex.key}` shows them one at a time)"
+    return text + f"\n\n({path.relative_to(root if path.is_relative_to(root) else REPO).as_posix()}#{anchor})"

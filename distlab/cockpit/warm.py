@@ -25,7 +25,27 @@ import sys
 from pathlib import Path
 
 IDLE_S = 600.0  # a server nobody asked for 10 minutes ends
-START_TIMEOUT_S = 60.0
+REQUEST_S = 10.0  # a request is one short line, sent at once
+START_TIMEOUT_S = 60.0  # importing torch and pytest and starting the forkserver: ~4 s idle, far more at high load
+# distlab.doctor_watch.TIMEOUT_SCALE_ENV: every course deadline is multiplied by it. Spelled out, not
+# imported: distlab.doctor_watch imports torch, ~2 s that each `check --warm` would pay before asking.
+TIMEOUT_SCALE_ENV = "DISTLAB_TIMEOUT_SCALE"
+
+
+class NotStarted(RuntimeError):
+    """The warm launcher did not answer in time: the cockpit says so in one line."""
+
+
+def start_timeout_s() -> float:
+    setting = os.environ.get(TIMEOUT_SCALE_ENV, "").strip()
+    try:
+        scale = float(setting) if setting else 1.0
+    except ValueError:
+        scale = -1.0
+    if not scale > 0:
+        raise ValueError(f"{TIMEOUT_SCALE_ENV}={setting!r} must be a number > 0 that multiplies every deadline "
+                         f"(e.g. {TIMEOUT_SCALE_ENV}=3 on a slow machine)")
+    return START_TIMEOUT_S * scale
 
 
 def socket_path(root: Path) -> Path:
@@ -70,12 +90,17 @@ def ensure_server(root: Path, repo: Path) -> Path:
         proc = subprocess.Popen([sys.executable, "-m", "distlab.cockpit.warm", "--serve", str(path), str(repo)],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
                                 start_new_session=True, cwd=repo)
-    ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
+    timeout_s = start_timeout_s()
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
     line = proc.stdout.readline() if ready else b""
     proc.stdout.close()
     if line.strip() != b"ready" or not _answers(path):
-        raise RuntimeError(f"the warm launcher did not start within {START_TIMEOUT_S:.0f} s: "
-                           f"see {path.parent / 'warm.log'}")
+        if proc.poll() is None:  # still importing: it would linger until its first idle timeout
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        path.unlink(missing_ok=True)
+        raise NotStarted(f"the warm launcher did not start within {timeout_s:.0f} s (a busy machine?; its log: "
+                         f"{path.parent / 'warm.log'}): check without --warm, or set {TIMEOUT_SCALE_ENV}=3 to wait longer")
     return path
 
 
@@ -151,46 +176,72 @@ def serve_checks(path: Path, repo: Path) -> None:
     forkserver.ensure_running()
     stamp = _bench_stamp()
     path.unlink(missing_ok=True)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
-        server.bind(str(path))
-        os.chmod(path, 0o600)
-        server.listen()
-        server.settimeout(IDLE_S)
-        print("ready", flush=True)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)  # the starter reads one line; nothing more goes there
-        while True:
-            try:
-                conn, _ = server.accept()
-            except socket.timeout:
-                break  # idle for IDLE_S: end, taking the forkserver with us
-            with conn:
-                request = json.loads(conn.makefile().readline())
-                if request["op"] == "ping":
-                    conn.sendall(json.dumps({"stamp": stamp, "pid": os.getpid()}).encode() + b"\n")
-                    continue
-                if request["op"] == "stop":
-                    conn.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
-                    break
-                pid = os.fork()
-                if pid == 0:
-                    try:
-                        code = _check_in_child(request)
-                    except BaseException:
-                        code = 4
-                    os._exit(code)
-                exited = os.pidfd_open(pid)  # readable when the child ends: a blocking wait with a timeout
-                try:
-                    ended, _, _ = select.select([exited], [], [], float(request.get("timeout_s", 600)))
-                finally:
-                    os.close(exited)
-                if not ended:  # the check's own deadline: its pytest and every rank it started go
-                    os.kill(pid, signal.SIGKILL)
-                _, status = os.waitpid(pid, 0)
-                code = os.waitstatus_to_exitcode(status) if ended else 124
-                conn.sendall(json.dumps({"returncode": code}).encode() + b"\n")
-    path.unlink(missing_ok=True)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+            server.bind(str(path))
+            os.chmod(path, 0o600)
+            server.listen()
+            server.settimeout(IDLE_S)
+            print("ready", flush=True)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)  # the starter reads one line; nothing more goes there
+            serve(server, stamp, _pytest_in_child)
+    finally:
+        path.unlink(missing_ok=True)  # no stale socket for the next check to find
 
+
+def serve(server: socket.socket, stamp: float, run_pytest) -> None:
+    """Answer connections until IDLE_S of silence or a stop. A client that goes away (Ctrl-C of its check:
+    BrokenPipeError on the answer), an empty connection or a garbled request costs that connection only."""
+    while True:
+        try:
+            conn, _ = server.accept()
+        except socket.timeout:
+            return  # idle for IDLE_S: end, taking the forkserver with us
+        with conn:
+            conn.settimeout(REQUEST_S)  # a client that connects and says nothing does not stall the server
+            try:
+                request = json.loads(conn.makefile().readline())
+                op = request["op"]
+            except (ValueError, KeyError, TypeError, OSError):
+                continue  # not a request (a probe, a client killed mid-write): nothing to answer
+            if op == "stop":
+                _answer(conn, {"pid": os.getpid()})
+                return
+            if op == "ping":
+                answer = {"stamp": stamp, "pid": os.getpid()}
+            elif op == "pytest":
+                answer = {"returncode": run_pytest(request)}
+            else:
+                answer = {"error": f"unknown op {op!r}"}
+            _answer(conn, answer)
+
+
+def _answer(conn: socket.socket, answer: dict) -> None:
+    try:
+        conn.sendall(json.dumps(answer).encode() + b"\n")
+    except OSError:  # BrokenPipeError, ConnectionResetError: the client is gone (its check was stopped)
+        pass
+
+
+def _pytest_in_child(request: dict) -> int:
+    """Run the request's pytest in a child forked from the server, within its deadline; the exit code."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            code = _check_in_child(request)
+        except BaseException:
+            code = 4
+        os._exit(code)
+    exited = os.pidfd_open(pid)  # readable when the child ends: a blocking wait with a timeout
+    try:
+        ended, _, _ = select.select([exited], [], [], float(request.get("timeout_s", 600)))
+    finally:
+        os.close(exited)
+    if not ended:  # the check's own deadline: its pytest and every rank it started go
+        os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) if ended else 124
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--serve":

@@ -152,9 +152,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="a folder holding a student's template_*.py files (Gradescope's /autograder/submission)")
     parser.add_argument("--autograder-zip", default=None, metavar="ZIP", help="write Gradescope's autograder bundle")
     parser.add_argument("--exercises", nargs="*", default=None, metavar="NAME",
-                        help='grade only these exercises (weights.toml names, e.g. "1.4-1.5 distributed sampler")')
+                        help='grade only these exercises (ids in distlab/course.toml, e.g. "1.4-1.5")')
     args = parser.parse_args(argv)
     if args.exercises:
+        from distlab.manifest import canonical
+
+        args.exercises = [canonical(e) for e in args.exercises]  # an id ("1.4-1.5") or a full name
         os.environ[bugs.EXERCISES_ENV] = json.dumps(args.exercises)  # read by the -p distlab.bugs plugin
         extra = ["-p", "distlab.bugs", *extra]
         args.tests = args.tests or bugs.exercise_test_files(args.exercises)
