@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,19 +95,21 @@ def render_partial(solution: Path, finished: set[str], text: str | None = None) 
     """The template of ``solution`` with the regions whose id is in ``finished`` filled in.
 
     ``text`` replaces the solution's source (a mutated solution). The generator itself renders
-    it: the finished regions lose their markers, so they are copied as ordinary code (with the
-    ``# template:`` substitutions), and every other region becomes its ``raise todo(...)``.
+    it: the finished regions' markers become TODO markers, so their code is copied as ordinary code
+    (with the ``# template:`` substitutions) between them, and every other region becomes its ``raise todo(...)``.
     """
     from distlab import templates
 
     text = solution.read_text() if text is None else text
     lines, out, skip_end = text.splitlines(), [], None
-    for line in lines:
+    for line in lines:  # a finished region keeps its TODO markers, as in a learner's file
         if (m := templates.BEGIN.match(line)) and _base(m["id"]) in finished:
             skip_end = m["id"]
+            out.append(f"{m['indent']}# --- TODO {m['id']}: {m['title']} ---")
             continue
         if (m := templates.END.match(line)) and m["id"] == skip_end:
             skip_end = None
+            out.append(f"{line[:len(line) - len(line.lstrip())]}# --- end TODO {m['id']} ---")
             continue
         out.append(line)
     with tempfile.TemporaryDirectory(prefix="distlab-render-") as tmp:
@@ -192,6 +194,7 @@ class Bug:
     edits: tuple[tuple[str, str], ...]  # (old, new): each old occurs once in the solution
     why: str
     finished: tuple[str, ...] = ()  # other TODO ids the bug's copy finishes too
+    expect: str = ""  # a regex the first line of the failure must match: it names the cause
 
     def mutated(self) -> str:
         source = (REPO / self.file).read_text()
@@ -205,16 +208,25 @@ class Bug:
 
 
 def catalogue(path: Path = CATALOGUE) -> list[Bug]:
-    bugs = []
+    """Every ``[[bug]]`` of ``path``'s *.toml files; an ``[[expect]]`` (id, expect) gives a bug of another file
+    the regex its failure's first line must match (grading/bugs/diagnoses.toml)."""
+    bugs, expects = [], {}
     for f in sorted(path.glob("*.toml")):
-        for b in tomllib.loads(f.read_text()).get("bug", []):
+        data = tomllib.loads(f.read_text())
+        expects.update({e["id"]: e["expect"] for e in data.get("expect", [])})
+        for b in data.get("bug", []):
             edits = [(e["old"], e["new"]) for e in b.get("edit", [])] or [(b["old"], b["new"])]
             bugs.append(Bug(b["id"], b["exercise"], b["file"], tuple(edits), b.get("why", ""),
-                            tuple(b.get("finished", ()))))
+                            tuple(b.get("finished", ())), b.get("expect", "")))
+            re.compile(bugs[-1].expect)  # a bad pattern fails here, not after minutes of runs
     ids = [b.id for b in bugs]
     if dup := sorted({i for i in ids if ids.count(i) > 1}):
         raise ValueError(f"bug ids used twice in {path}: {dup}")
-    return bugs
+    if unknown := sorted(set(expects) - set(ids)):
+        raise ValueError(f"[[expect]] for bug ids not in {path}: {unknown}")
+    for i, e in expects.items():
+        re.compile(e)
+    return [replace(b, expect=expects[b.id]) if b.id in expects else b for b in bugs]
 
 
 _CONTROLS: dict[tuple[str, frozenset[str]], tuple[str, str]] = {}  # the unmutated copy's verdict, per run
@@ -240,7 +252,9 @@ def run_bug(bug: Bug, *, timeout_s: float = 240) -> dict:
         control_status, control_message = _CONTROLS[key]
         if control_status != "missed":
             status, message = "control failed", f"without the bug: {control_status}: {control_message}"
-    return {"id": bug.id, "exercise": bug.exercise, "status": status, "message": message[:300],
+    # Named: the first line matches the bug's `expect` (None where the bug gives none).
+    named = bool(re.search(bug.expect, message)) and status == "caught" if bug.expect else None
+    return {"id": bug.id, "exercise": bug.exercise, "status": status, "message": message[:300], "named": named,
             "seconds": round(time.monotonic() - start, 1), "why": bug.why}
 
 
@@ -281,8 +295,12 @@ def main(argv: list[str] | None = None) -> int:
             row = {"id": b.id, "exercise": b.exercise, "status": "stale", "message": str(exc)[:300],
                    "seconds": 0.0, "why": b.why}
         rows.append(row)
-        print(f"{row['status']:<8} {row['seconds']:>6.1f} s  {b.id:<32} {row['message'][:110]}", flush=True)
+        mark = {True: "named ", False: "symptom", None: ""}[row.get("named")]
+        print(f"{row['status']:<8} {mark:<7} {row['seconds']:>6.1f} s  {b.id:<32} {row['message'][:200]}", flush=True)
     caught = sum(r["status"] == "caught" for r in rows)
+    if expecting := [r for r in rows if r.get("named") is not None]:
+        print(f"the first line names the cause for {sum(r['named'] for r in expecting)}/{len(expecting)} bugs "
+              "with an `expect`")
     seconds = round(time.monotonic() - start, 1)
     print(f"\ncaught {caught}/{len(rows)} ({100 * caught / max(len(rows), 1):.0f}%) in {seconds} s")
     out = args.out or (str(RESULTS) if full else None)

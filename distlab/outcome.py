@@ -21,6 +21,50 @@ import traceback
 from distlab.todo import LearnerTODO
 
 
+# A backend's own words (gloo's, NCCL's) for a learner's mistake, and the course's: the first match wins.
+# The translations avoid "connection", "closed", "peer", "timeout" (distlab/spawn.py's marks of an error
+# that only follows another rank's) unless the backend's error is one of those.
+_BACKEND = (
+    (re.compile(r"Pair is not connected|state_ >= CONNECTED"),
+     "a message was addressed to a rank outside this group (a global rank used where the group's rank was due, "
+     "or the reverse?): use dist.get_rank(group), and dist.get_global_rank(group, r) for src/dst"),
+    (re.compile(r"[Ii]nvalid (?:source |destination |global |group )?rank|rank \d+ is (?:out of range|invalid)"),
+     "a src/dst outside the group's ranks was addressed (>= W, negative, or a rank of another group?)"),
+    (re.compile(r"op\.preamble\.length <= op\.nbytes\. (\d+) vs (\d+)"),
+     "sender and receiver disagree on the message size ({0} bytes arrived for a {1}-byte buffer): an off-by-one "
+     "chunk index, or the uneven last chunk ignored?"),
+    (re.compile(r"[Ss]ize mismatch|[Mm]ismatch between .*sizes?"),
+     "the ranks disagree on a tensor's size in one collective or send/recv: check each rank's chunk sizes"),
+    (re.compile(r"Connection (?:closed|reset) by peer|Broken pipe"),
+     "another rank's process ended mid-collective (the peer failed first: see its error; or it returned "
+     "without joining a collective the others called)"),
+)
+
+
+def backend_cause(text: str) -> str | None:
+    """The course's line for a backend error in ``text`` ("Pair is not connected" -> a rank outside the
+    group was addressed), or None when it holds none of the known ones."""
+    for pattern, line in _BACKEND:
+        if m := pattern.search(text):
+            return line.format(*m.groups())
+    return None
+
+
+_REGEX_MISS = re.compile(r"Regex pattern did not match\.[ \t]*\n\s*(?:Expected regex|Regex): (?P<pattern>.*?)\n"
+                         r"\s*(?:Actual message|Input): (?P<message>.*)", re.S)
+
+
+def one_line(text: str) -> str:
+    """``text`` with a multi-line message whose first line names no cause folded into that line: pytest's
+    ``pytest.raises(match=...)`` miss says "Regex pattern did not match." and only then the pattern and the
+    message."""
+    if m := _REGEX_MISS.search(text):
+        message = " ".join(m["message"].split())[:300]
+        return (text[:m.start()] + f"the error's message does not match the test's pattern: expected a match for "
+                f"{m['pattern'].strip()}, got {message}")
+    return text
+
+
 class RankError(RuntimeError):
     """A process failed with an exception whose type is not rebuilt here (not a built-in one)."""
 
@@ -46,6 +90,10 @@ def rebuild(message: tuple, rank: int | None = None) -> BaseException:
     lead = "" if rank is None or re.match(rf"rank {rank}\b", text) else f"rank {rank}: "
     if is_todo:
         return LearnerTODO(f"{lead}{text}")
+    text = one_line(text)
+    if (cause := backend_cause(text)) and cause not in text:
+        first, _, rest = text.partition("\n")
+        text = f"{cause} (the backend said: {first[:200]})" + (f"\n{rest}" if rest else "")
     text = f"{lead}{text if text.strip() else qualname.rsplit('.', 1)[-1] + ' (no message)'}"
     exc_type = getattr(builtins, qualname, None) if module == "builtins" else None
     exc = None

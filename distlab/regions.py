@@ -90,3 +90,89 @@ def edited_regions(template_text: str) -> list[str]:
 
 def _todo_ids(text: str) -> list[str]:
     return [m["id"] for line in text.splitlines() if (m := TODO_BEGIN.match(line))]
+
+
+_NOQA = re.compile(r"\s*#\s*noqa\b.*$")
+
+
+def _given_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, line) of a template outside its TODO regions: the code the course gave (the region
+    markers kept, blank and comment lines left out: a learner's notes change nothing)."""
+    out, inside = [], False
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if TODO_BEGIN.match(line):
+            inside = True
+        elif TODO_END.match(line):
+            inside = False
+        elif inside or not line.strip() or line.strip().startswith("#"):
+            continue
+        out.append((lineno, _NOQA.sub("", line).rstrip()))  # the generator's lint marks follow the code
+    return out
+
+
+def _enclosing(text: str, lineno: int) -> str:
+    """The innermost function (Class.method) around ``lineno`` of ``text``, or "module level"."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return f"line {lineno}"
+    best, best_span = "module level", None
+
+    def walk(node, prefix):
+        nonlocal best, best_span
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                lo = min([child.lineno] + [d.lineno for d in child.decorator_list])
+                if lo <= lineno <= child.end_lineno and not isinstance(child, ast.ClassDef) and (
+                        best_span is None or child.end_lineno - lo < best_span):
+                    best, best_span = name, child.end_lineno - lo
+                walk(child, f"{name}.")
+    walk(tree, "")
+    return best
+
+
+def edited_outside_todos(template_text: str, stub_text: str) -> list[str]:
+    """Where a learner's template differs from its generated stub outside the TODO regions, by function
+    ("train_step", "Class.method", "module level"), in order: code the course gave that the learner edited."""
+    import difflib
+
+    mine, given = _given_lines(template_text), _given_lines(stub_text)
+    where: list[str] = []
+    matcher = difflib.SequenceMatcher(None, [l for _, l in mine], [l for _, l in given], autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            continue
+        # an inserted or changed line is placed in the learner's file; a deleted one in the stub
+        name = (_enclosing(template_text, mine[i1][0]) if i1 < i2
+                else _enclosing(stub_text, given[j1][0]))
+        if name not in where:
+            where.append(name)
+    return where
+
+
+def outside_edit_note(exercise: str, student_root) -> str | None:
+    """The line that leads a failing test's message when the learner's module for ``exercise`` was edited
+    outside its TODO regions ("you edited train_step (not a TODO) ..."), or None. Compares the learner's
+    template with the one ``python -m distlab.templates`` generates from the solution."""
+    from pathlib import Path
+
+    from distlab import bugs, templates
+
+    try:
+        solutions = bugs.modules_of(bugs.exercise_ids(exercise))
+    except ValueError:  # not an exercise (the bench's own tests)
+        return None
+    notes = []
+    for solution in solutions:
+        mine = templates.template_path(solution, Path(student_root))
+        if not mine.is_file():
+            continue
+        where = edited_outside_todos(mine.read_text(), templates.render(solution))
+        if where:
+            rel = mine.relative_to(Path(student_root))
+            notes.append(f"{', '.join(where[:3])} in {rel}")
+    if not notes:
+        return None
+    return (f"you edited {'; '.join(notes)} (not a TODO): restore the given code there, "
+            f"the failure may be that edit's")

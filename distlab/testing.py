@@ -18,9 +18,32 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.detach().double() - b.detach().double()).abs().max().item() if a.numel() else 0.0
 
 
-def diagnose(actual: torch.Tensor, expected: torch.Tensor) -> str:
+def _eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+
+
+def _factor_hint(factor: float, tol: float) -> str:
+    """What a constant factor between a result and its baseline usually means."""
+    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    near = lambda x, y: abs(x - y) <= tol * max(abs(y), 1.0)  # noqa: E731
+    if factor < 0:
+        return "a sign flipped (subtracted where it should add?)"
+    if world_size and world_size > 1 and near(factor, world_size):
+        return "summed where a mean was due (never divided by W?), or counted twice?"
+    if world_size and world_size > 1 and near(factor, 1 / world_size):
+        return "averaged twice, or divided by W where a sum was due?"
+    log2 = torch.log2(torch.tensor(factor, dtype=torch.float64)).item()
+    if abs(log2) >= 3 and near(log2, round(log2)):  # 8x or more, a power of two: a loss scale's signature
+        return ("a power of two: the loss scale never divided out (unscale_ must multiply by 1/S)?" if factor > 1
+                else "a power of two: divided by the loss scale twice?")
+    return ("averaged twice, or divided by W where a sum was due?" if factor < 1
+            else "summed where a mean was due (never divided by W?), or counted twice?")
+
+
+def diagnose(actual: torch.Tensor, expected: torch.Tensor, subject: str = "it is") -> str:
     """A recognisable cause of a mismatch, or "": a constant factor (a missing or doubled
-    division by W), a sign flip, all zeros, a non-finite value."""
+    division by W, a loss scale never divided out), a sign flip, all zeros, a non-finite value.
+    ``subject`` names what is compared ("the update ... is")."""
     a, e = actual.detach().double().flatten(), expected.detach().double().flatten()
     if not torch.isfinite(a).all():
         return "; it holds inf/nan: an overflow (fp16 without scaling?) or a division by zero"
@@ -31,13 +54,80 @@ def diagnose(actual: torch.Tensor, expected: torch.Tensor) -> str:
         return "; it is all zeros: the result was never written back (or gradients were zeroed after the reduce)"
     ratio = a[significant] / e[significant]
     factor = ratio.median().item()
-    if abs(factor - 1) > 1e-3 and (ratio - factor).abs().max().item() < 1e-3 * max(abs(factor), 1.0):
-        hint = ("averaged twice, or divided by W where a sum was due?" if abs(factor) < 1
-                else "summed where a mean was due (never divided by W?), or counted twice?")
-        if factor < 0:
-            hint = "a sign flipped (subtracted where it should add?)"
-        return f"; it is {factor:.2f}x the expected value everywhere: {hint}"
+    # Constant up to both sides' rounding: 1e-3, or two ulps of the coarser dtype (each side rounded
+    # once: a bf16 sum against a bf16 mean differs from W by up to 2 * 2^-8 relative).
+    tol = max(1e-3, 2 * max(_eps(actual.dtype), _eps(expected.dtype)))
+    if abs(factor - 1) > tol and (ratio - factor).abs().max().item() < tol * max(abs(factor), 1.0):
+        return f"; {subject} {factor:.2f}x the expected value everywhere: {_factor_hint(factor, tol)}"
     return ""
+
+
+# --------------------------------------------------------------------------- tagged ring inputs
+# A ring's result is a sum (reduce-scatter) or a copy (all-gather) of chunks: tag chunk c of rank q with
+# 8**(q*W + c) and any result reads back, octal digit by digit, as which rank's which chunk it holds.
+_TAG_BASE = 8  # a chunk counted up to 7 times still reads back
+
+
+def ring_tagged(rank: int, numel: int, world_size: int) -> torch.Tensor:
+    """A flat float64 input whose chunk c (``tensor_split``'s chunks) holds 8**(rank*W + c) everywhere.
+
+    Exact in float64 for W <= 4 (8**16 = 2**48 < 2**53): sums of tags are integers, no rounding."""
+    if world_size > 4:
+        raise ValueError(f"ring tags need W <= 4 (8**(W*W) <= 2**53), got W={world_size}")
+    out = torch.empty(numel, dtype=torch.float64)
+    for c, part in enumerate(out.tensor_split(world_size)):
+        part.fill_(float(_TAG_BASE ** (rank * world_size + c)))
+    return out
+
+
+def _read_tag(value: float, world_size: int) -> dict[tuple[int, int], int] | None:
+    """{(rank, chunk): count} a tagged value is the sum of, or None when it is no sum of tags."""
+    if not (value >= 0 and value == int(value) and value < _TAG_BASE ** (world_size * world_size)):
+        return None
+    counts, v = {}, int(value)
+    for k in range(world_size * world_size):
+        if v % _TAG_BASE:
+            counts[divmod(k, world_size)] = v % _TAG_BASE
+        v //= _TAG_BASE
+    return counts
+
+
+def _tags_text(counts: dict[tuple[int, int], int] | None) -> str:
+    if counts is None:
+        return "no sum of the ranks' chunks (garbage: never written?)"
+    if not counts:
+        return "zeros (nothing arrived?)"
+    return " + ".join(f"{'' if n == 1 else f'{n} x '}rank {q}'s chunk {c}" for (q, c), n in sorted(counts.items()))
+
+
+def explain_tags(world_size: int, chunks: list[tuple[int, int]]):
+    """The diagnosis for a ring's result on :func:`ring_tagged` inputs: ``chunks`` lays the result out as
+    (chunk index, size) pieces; the first wrong piece says what it holds and what was due, and why.
+    Pass the result to ``assert_tensors_close(..., explain=...)``."""
+    def explain(actual: torch.Tensor, expected: torch.Tensor) -> str:
+        if actual.numel() != sum(n for _, n in chunks):
+            return ""
+        offset = 0
+        for chunk, n in chunks:
+            a, e = actual.reshape(-1)[offset:offset + n], expected.reshape(-1)[offset:offset + n]
+            offset += n
+            bad = (a.double() != e.double()).nonzero()
+            if not len(bad):
+                continue
+            i = bad[0].item()
+            got, due = _read_tag(a[i].item(), world_size), _read_tag(e[i].item(), world_size) or {}
+            if got is None or not got:
+                hint = "a chunk never received or never written into place?"
+            elif {c for _, c in got} != {c for _, c in due}:
+                hint = ("the wrong chunk: is the chunk index off by one, or are the ring's neighbours swapped "
+                        "(send to rank+1, receive from rank-1)?")
+            elif missing := sorted({q for q, _ in due} - {q for q, _ in got}):
+                hint = f"rank(s) {missing}'s part is missing: a ring step too few, or a received chunk not added?"
+            else:
+                hint = "a part counted more than once: a received chunk added twice, or a ring step too many?"
+            return f"; chunk {chunk} holds {_tags_text(got)}; expected {_tags_text(due)}: {hint}"
+        return ""
+    return explain
 
 
 _GLOO_SIZE = re.compile(r"op\.preamble\.length <= op\.nbytes\. (\d+) vs (\d+)")
@@ -159,12 +249,15 @@ def assert_at_most(actual, bound, what: str, *, baseline: bool = True) -> None:
 
 
 def assert_tensors_close(actual: torch.Tensor, expected: torch.Tensor, what: str,
-                         rtol: float | None = None, atol: float | None = None, *, baseline: bool = True) -> None:
+                         rtol: float | None = None, atol: float | None = None, *, baseline: bool = True,
+                         explain=None) -> None:
     """``torch.testing.assert_close`` with ``what`` (rank, step, name) leading the message.
 
     rtol=atol=0 demands bitwise equality (use where no sum is reordered). ``baseline=False`` where
     ``expected`` is the learner's own result too (a resumed model against the one it was saved from):
     a grading run then checks the pair as it was recorded instead of against the reference's baseline.
+    ``explain(actual, expected) -> str``: the test's own diagnosis (:func:`explain_tags`), tried before
+    the ratio's (:func:`diagnose`).
     """
     _record(what, actual, expected, rtol, atol, baseline)
     if actual.shape != expected.shape:
@@ -172,18 +265,28 @@ def assert_tensors_close(actual: torch.Tensor, expected: torch.Tensor, what: str
     try:
         torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
     except AssertionError:
+        why = (explain(actual, expected) if explain else "") or diagnose(actual, expected)
         raise AssertionError(f"{what}: max abs diff {max_abs_diff(actual, expected):.3e} "
-                             f"(rtol={rtol}, atol={atol}){diagnose(actual, expected)}") from None
+                             f"(rtol={rtol}, atol={atol}){why}") from None
 
 
 def assert_models_close(actual: nn.Module, expected: nn.Module, *, rank: int, step: int | str,
                         rtol: float | None = None, atol: float | None = None,
-                        buffers: bool = True, baseline: bool = True) -> None:
-    """Every parameter (and floating buffer) of ``actual`` is close to ``expected``'s, by name."""
+                        buffers: bool = True, baseline: bool = True, start=None) -> None:
+    """Every parameter (and floating buffer) of ``actual`` is close to ``expected``'s, by name.
+
+    ``start``: the parameters before this step (a list in ``parameters()`` order, or name -> tensor), where
+    both models started equal: a mismatch is then diagnosed on the update (a loss scale never divided out
+    makes the update S times too large, not the parameter)."""
     exp_params = dict(expected.named_parameters())
+    if start is not None and not isinstance(start, dict):
+        start = {name: s for (name, _), s in zip(actual.named_parameters(), start)}
     for name, p in actual.named_parameters():
+        s0 = None if start is None else start.get(name)
+        explain = None if s0 is None else (lambda a, e, s0=s0: diagnose(
+            a - s0, e - s0, "the update (the parameter minus its value before the step) is"))
         assert_tensors_close(p, exp_params[name], f"rank {rank}, step {step}, parameter {name}", rtol, atol,
-                             baseline=baseline)
+                             baseline=baseline, explain=explain)
     if buffers:
         exp_buffers = dict(expected.named_buffers())
         for name, b in actual.named_buffers():

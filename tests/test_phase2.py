@@ -69,6 +69,7 @@ def _worker_grad_accumulation(rank, world_size, kind):
             base_opt.zero_grad(set_to_none=True)
             _loss(baseline(x), y).backward()  # one step on the whole global batch
             base_opt.step()
+            before = [p.detach().clone() for p in model.module.parameters()]  # a wrong factor shows in the update
             ledger = CommLedger()
             with ledger:
                 reported = acc.train_step(model, opt, _loss, shard(x, rank, world_size), shard(y, rank, world_size),
@@ -84,7 +85,7 @@ def _worker_grad_accumulation(rank, world_size, kind):
             # of n_i/n_local weighting (off by a whole factor on the uneven micro-batch),
             # a gradient reduced twice, or a missing 1/W.
             try:
-                assert_models_close(model.module, baseline, rank=rank, step=step, rtol=1e-10, atol=1e-10)
+                assert_models_close(model.module, baseline, rank=rank, step=step, rtol=1e-10, atol=1e-10, start=before)
             except AssertionError as e:
                 raise AssertionError(f"{what}: {e}") from None
             # One all-reduce per trainable parameter that received a gradient (the tied
@@ -200,7 +201,7 @@ def _worker_loss_scaler(rank, world_size):
             assert_equal(ours.get_scale(), ref.get_scale(),
                          f"{what}: scale {ours.get_scale()} != GradScaler's {ref.get_scale()}")
             # Same grads (same ops in one process), an exact power-of-two unscale: bitwise.
-            assert_models_close(ours_model, ref_model, rank=rank, step=step, rtol=0, atol=0)
+            assert_models_close(ours_model, ref_model, rank=rank, step=step, rtol=0, atol=0, start=before)
 
 
 @pytest.mark.exercise("2.3-2.4 dynamic loss scaler")
