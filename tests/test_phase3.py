@@ -22,7 +22,8 @@ from distlab import p2p
 from distlab.comm import CommLedger
 from distlab.spawn import run_distributed
 from distlab.models import ToyMLP, seeded
-from distlab.testing import assert_at_most, assert_equal, assert_models_close, assert_tensors_close, shard
+from distlab.testing import (assert_at_most, assert_equal, assert_models_close, assert_tensors_close, explain_tags,
+                             ring_tagged, shard)
 from distlab.todo import LearnerTODO
 
 PHASE = "phase3_multi_node"
@@ -64,10 +65,28 @@ def _check_p2p_only(ledger: CommLedger, what: str) -> None:
     assert_at_most(ops, P2P_OPS, f"{what}: only point-to-point ops expected, saw {ledger.summary()}")
 
 
+def _check_tagged(ring, rank: int, world_size: int, kind: str) -> None:
+    """Chunk c of rank q holds 8**(q*W + c) (distlab.testing.ring_tagged), so a wrong result reads back as
+    which rank's which chunk it holds. 12 elements: equal chunks at W <= 4, so a wrong chunk index shows as
+    a wrong value here (named), not as a size mismatch."""
+    tagged = [ring_tagged(q, 12, world_size) for q in range(world_size)]
+    sizes = _sizes(12, world_size)
+    if kind == "reduce_scatter":
+        mine, due = ring.ring_reduce_scatter(tagged[rank]), sum(tagged).tensor_split(world_size)[rank]
+        chunks = [(rank, sizes[rank])]
+    else:
+        mine = ring.ring_all_gather(tagged[rank].tensor_split(world_size)[rank].clone(), 12)
+        due, chunks = torch.cat([t.tensor_split(world_size)[q] for q, t in enumerate(tagged)]), list(enumerate(sizes))
+    # Integer sums below 2**53 in float64: exact in any order.
+    assert_tensors_close(mine, due, f"rank {rank}, ring_{kind}, tagged input (chunk c of rank q: 8**(q*W+c))",
+                         rtol=0, atol=0, explain=explain_tags(world_size, chunks))
+
+
 # --------------------------------------------------------------------------- 3.1 reduce-scatter
 def _worker_ring_reduce_scatter(rank, world_size):
     p2p.enable_strict()  # NCCL's point-to-point rules, checked on gloo (distlab/p2p.py)
     ring = load(PHASE, "ring_allreduce")
+    _check_tagged(ring, rank, world_size, "reduce_scatter")
     for shape, dtype, op, inputs, expected in _cases(world_size):
         what = f"rank {rank}, ring_reduce_scatter, shape {shape}, {dtype}, op {op}"
         sizes = _sizes(expected.numel(), world_size)
@@ -104,6 +123,7 @@ def test_ring_reduce_scatter_matches_builtin_and_single_process(world_size):
 def _worker_ring_all_gather(rank, world_size):
     p2p.enable_strict()  # NCCL's point-to-point rules, checked on gloo (distlab/p2p.py)
     ring = load(PHASE, "ring_allreduce")
+    _check_tagged(ring, rank, world_size, "all_gather")
     for shape, dtype, _, inputs, _ in _cases(world_size):
         what = f"rank {rank}, ring_all_gather, shape {shape}, {dtype}"
         # Every rank contributes chunk r of its own tensor; the answer is their concatenation.
