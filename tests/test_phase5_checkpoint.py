@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
@@ -26,6 +27,8 @@ from distlab.comm import CommLedger
 from distlab.spawn import run_distributed
 from distlab.models import seeded
 from distlab.testing import assert_at_most, assert_equal, assert_tensors_close, max_abs_diff, shard
+
+from property_checks_p5 import LoadLog
 
 PHASE = "phase5_large_models"
 LOADER = {"epoch": 1, "position": 24}  # the data loader's place: must come back with the weights
@@ -122,7 +125,15 @@ def _worker_load(rank, world_size, tmp, formats):
         if fmt == "dcp":
             dcp.load(state, checkpoint_id=str(Path(tmp) / "dcp"))
         else:
-            state = lesson.load_sharded(state, Path(tmp) / "ours")
+            with LoadLog() as log:
+                state = lesson.load_sharded(state, Path(tmp) / "ours")
+            # A rank file may be far larger than this rank's box: mapped, only the pages it copies are read.
+            assert_equal(bool(log.loads), True, f"rank {rank}: load_sharded read no rank file with torch.load(path)")
+            assert_equal(log.not_mapped(), [], f"rank {rank}: load_sharded read {log.not_mapped()} whole into "
+                                               "memory; open each rank file with torch.load(..., mmap=True)")
+            names = [name for name, _ in log.loads]
+            again = sorted({n for n in names if names.count(n) > 1})
+            assert_equal(again, [], f"rank {rank}: load_sharded opened {again} more than once; keep them in `files`")
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         got = _unsharded(_state(model, opt), lesson)
         assert_equal(state["loader"], LOADER, f"rank {rank}, {fmt}: loader position {state['loader']}, saved {LOADER}")
@@ -144,3 +155,30 @@ def test_sharded_checkpoint_reshards_bit_exact_like_dcp(saved_at, loaded_at, tmp
 def test_async_save_overlaps_steps_and_keeps_the_snapshot(tmp_path):
     run_distributed(_worker_save, 2, str(tmp_path), True)
     run_distributed(_worker_load, 3, str(tmp_path), ["ours"])
+
+
+def _worker_async_failure(rank, world_size, tmp):
+    """Rank 1's file cannot be written (a directory holds its name): its wait() must raise the error."""
+    lesson = load(PHASE, "sharded_checkpoint")
+    model, opt = _build(seed=0)
+    _train(model, opt, rank, world_size, steps=1)
+    directory = Path(tmp) / "failing"
+    if rank == 1:
+        (directory / "rank1.pt").mkdir(parents=True)  # os.replace(file, directory) fails: IsADirectoryError
+    dist.barrier()  # the obstacle is in place before anyone saves
+    handle = lesson.async_save_sharded(_state(model, opt), directory)
+    raised = None
+    try:
+        handle.wait()
+    except OSError as exc:
+        raised = exc
+        dist.barrier()  # the ranks whose writes succeeded wait in wait()'s barrier: release them
+    assert_equal(raised is not None, rank == 1, (
+        f"rank {rank}: wait() raised {raised!r}" if raised is not None else
+        f"rank {rank}: the write of rank1.pt failed on the writer thread but wait() returned: the error was "
+        "lost; record the thread's exception in `errors` (wait() re-raises it)"))
+
+
+@pytest.mark.exercise("5.13 async save")
+def test_async_save_failure_on_one_rank_surfaces_in_its_wait(tmp_path):
+    run_distributed(_worker_async_failure, 2, str(tmp_path))

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from distlab import load
 from distlab.comm import CommLedger
 from distlab.spawn import run_distributed
-from distlab.testing import assert_equal, assert_tensors_close
+from distlab.testing import assert_equal, assert_tensors_close, explain_group_errors
+
+from property_checks_p5 import OverlapLog
 
 PHASE = "phase5_large_models"
 WORLD_SIZES = [1, 2, 3, 4]
@@ -200,6 +202,32 @@ def test_ring_attention_matches_single_process_sdpa(world_size):
     run_distributed(_worker_ring, world_size, backend="gloo")
 
 
+def _worker_ring_overlap(rank, world_size):
+    ring = load(PHASE, "ring_attention")
+    whole = _whole(UNEVEN_T)
+    layout = _layout(UNEVEN_T, world_size, "zigzag")
+    q, k, v = (t[:, :, layout[rank]].clone().requires_grad_() for t in whole[:3])
+    with OverlapLog(ring, ["block_attention", "block_attention_backward"]) as log:
+        log.mark("forward")
+        out = ring.ring_attention(q, k, v, layout)
+        log.mark("backward")
+        out.backward(whole[3][:, :, layout[rank]])
+    computes = sum(1 for e in log.events if e[0] == "compute")
+    assert_equal(computes, 2 * world_size, f"rank {rank} of {world_size}: {computes} block computations "
+                 f"(block_attention and block_attention_backward), expected {world_size} forward and {world_size} backward")
+    problems = log.overlap_violations()
+    assert_equal(problems, [], f"rank {rank} of {world_size}: the K/V transfers do not overlap the compute: "
+                 f"{'; '.join(problems)}")
+
+
+@pytest.mark.exercise("5.2-5.3 ring attention")
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ring_attention_posts_each_transfer_before_the_compute_it_overlaps(world_size):
+    """The order of calls, not the clock: step i+1's K/V is posted before step i's block is computed
+    and waited after it, forward and backward (a ring that waits first is correct and serial)."""
+    run_distributed(_worker_ring_overlap, world_size, backend="gloo")
+
+
 # --------------------------------------------------------------------------- 5.4 Ulysses
 U_HEADS = 12  # divisible by 1, 2, 3 and 4
 
@@ -234,3 +262,28 @@ def _worker_ulysses(rank, world_size, device="cpu"):  # tests/test_gpu.py: "cuda
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_ulysses_attention_matches_single_process_sdpa(world_size):
     run_distributed(_worker_ulysses, world_size, backend="gloo")
+
+
+def _worker_ulysses_subgroup(rank, world_size):
+    """Two Ulysses groups in a world of 4: global ranks [0, 1] and [2, 3]; in the second a global rank
+    is not the group rank (rank 2 is rank 0 of its group)."""
+    ul = load(PHASE, "ulysses")
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # collective: every rank creates both
+    group, members = groups[rank // 2], [[0, 1], [2, 3]][rank // 2]
+    group_rank = members.index(rank)
+    whole = _whole(UNEVEN_T, heads=U_HEADS, batch=1, dim=4)
+    ref = _baseline(*whole)
+    parts = torch.arange(UNEVEN_T).tensor_split(2)  # 7 and 6 tokens: uneven split sizes
+    pos = parts[group_rank]
+    what = f"global rank {rank} (rank {group_rank} of group {members}), Ulysses, {UNEVEN_T} tokens"
+    q, k, v = (t[:, :, pos].clone().requires_grad_() for t in whole[:3])
+    with explain_group_errors(group, what):
+        out = ul.ulysses_attention(q, k, v, [len(p) for p in parts], group=group)
+        out.backward(whole[3][:, :, pos])
+    _compare_rows(what, pos, out, (q.grad, k.grad, v.grad), ref)
+
+
+@pytest.mark.exercise("5.4 Ulysses all-to-all")
+def test_ulysses_on_a_subgroup_matches_single_process_sdpa():
+    """Ranks [2, 3] of a world of 4 as their own context-parallel group: group ranks, not global ones."""
+    run_distributed(_worker_ulysses_subgroup, 4, backend="gloo")

@@ -25,6 +25,8 @@ from distlab.spawn import run_distributed
 from distlab.models import GPTConfig, TinyGPT, seeded
 from distlab.testing import assert_equal, assert_tensors_close, max_abs_diff, shard
 
+from property_checks_p5 import fsdp_units
+
 PHASE = "phase5_large_models"
 # d=24, 4d=96 and n_head=12 divide by 1-4 (whole heads per rank); T=12 too (sequence shards).
 CFG = GPTConfig(vocab_size=48, block_size=12, n_layer=2, n_head=12, n_embd=24)
@@ -136,6 +138,11 @@ def _worker_2d(rank, world_size, tp_size, sp):
     assert_equal(mesh["tp"].mesh.tolist(), tp_row, f"{what}: tp row {mesh['tp'].mesh.tolist()}, expected {tp_row}")
     ref = seeded(TinyGPT, 0, CFG).double()
     model = lesson.parallelize_tinygpt(copy.deepcopy(ref), mesh, sequence_parallel=sp)
+    # ZeRO-3's memory promise: one block's parameters gathered at a time. The root alone as the one
+    # unit computes the same numbers while it gathers the whole model at once.
+    units, want = fsdp_units(model), [""] + [f"blocks.{i}" for i in range(CFG.n_layer)]
+    assert_equal(units, want, f"{what}: FSDP2 units {units}, expected {want}: each block its own "
+                              "fully_shard unit (one block gathered at a time), then the root")
     opt, ref_opt = _adamw(model), _adamw(ref)
     dp_rank = rank // tp_size
     for step in range(STEPS):
