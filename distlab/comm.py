@@ -9,11 +9,12 @@ tensor per rank, bucketed DDP issues one all-reduce per bucket, ...).
         my_allreduce(t)
     assert ledger.sent_bytes() == 2 * (W - 1) * t.nbytes // W
 
-While the ledger is active, the public functions of ``torch.distributed``
-(``dist.all_reduce``, ``dist.isend``, ``dist.batch_isend_irecv``, ...) are replaced
-by recording wrappers; code must call them through the module (``dist.send``), as
-all code in this course does. Internal calls inside torch (all_gather_object's own
-all_gather) are not counted.
+While the ledger is active it observes the public functions of ``torch.distributed``
+(``dist.all_reduce``, ``dist.isend``, ``dist.batch_isend_irecv``, ...) through
+``distlab.intercept``: code must call them through the module (``dist.send``, or
+``dist.distributed_c10d.send``), as all code in this course does; a function imported
+by name before (``from torch.distributed import send``) is torch's own, not seen.
+Internal calls inside torch (all_gather_object's own all_gather) are not counted.
 
 What "bytes" means per op (``Record.nbytes``): the size of the buffer this rank
 contributes: the tensor for all_reduce/broadcast/reduce/send, the received buffer
@@ -24,8 +25,6 @@ collectives the algorithm (and so the wire volume) is the backend's choice.
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distlab import intercept
 from distlab.metrics import nbytes, sync_device
 
 # op name -> the argument that holds the bytes this rank contributes
@@ -110,20 +110,11 @@ class Record:
 
 
 def _unwrap(op):
-    while hasattr(op, "__wrapped_by_ledger__"):  # a ledger's wrapper may wrap the hang doctor's
-        op = op.__wrapped_by_ledger__
-    return op
+    return intercept.torch_function(op)  # torch's own function under the interception wrappers
 
 
-class _LedgerP2POp(dist.P2POp):
-    """``dist.P2POp`` while a ledger is active: torch checks ``op is isend`` against its own
-    (unwrapped) function, so the P2POp stores the original; the batch wrapper counts it."""
-
-    def __new__(cls, op, *args, **kwargs):
-        return super().__new__(cls, _unwrap(op), *args, **kwargs)
-
-    def __init__(self, op, *args, **kwargs) -> None:
-        super().__init__(_unwrap(op), *args, **kwargs)
+# ``dist.P2POp`` while intercepted (distlab.intercept): takes torch's isend/irecv or any wrapper of them.
+_LedgerP2POp = intercept.P2POp
 
 
 class CommLedger:
@@ -131,8 +122,7 @@ class CommLedger:
 
     def __init__(self) -> None:
         self.records: list[Record] = []
-        self._saved: dict[str, object] = {}
-        self._in_batch = False
+        self._subscription: intercept.Subscription | None = None
 
     # --- queries -----------------------------------------------------------
     def calls(self, op: str | None = None) -> int:
@@ -194,66 +184,42 @@ class CommLedger:
     def reset(self) -> None:
         self.records.clear()
 
-    # --- patching ----------------------------------------------------------
+    # --- observing (distlab.intercept) -------------------------------------
     def __enter__(self) -> "CommLedger":
-        if self._saved:
+        if self._subscription is not None:
             raise RuntimeError("this CommLedger is already active")
-        for op, arg in _PAYLOAD_ARG.items():
-            original = getattr(dist, op, None)
-            if original is None:  # not in this torch release
-                continue
-            self._saved[op] = original
-            setattr(dist, op, self._wrap(op, arg, original))
-        self._saved["batch_isend_irecv"] = dist.batch_isend_irecv
-        setattr(dist, "batch_isend_irecv", self._wrap_batch(dist.batch_isend_irecv))
-        self._saved["P2POp"] = dist.P2POp
-        setattr(dist, "P2POp", _LedgerP2POp)
+        self._subscription = intercept.subscribe("ledger", self._observe)
         return self
 
     def __exit__(self, *exc) -> None:
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
-        self._saved.clear()
+        if self._subscription is not None:
+            self._subscription.cancel()
+            self._subscription = None
 
     def _record(self, op, nbytes, group, seconds, async_op) -> None:
         size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.records.append(Record(op, nbytes, size, seconds, async_op))
 
-    def _wrap(self, op, arg, original):
-        signature = inspect.signature(original)
-
-        @functools.wraps(original)
-        def wrapper(*args, **kwargs):
-            if self._in_batch:  # counted by the batch wrapper
-                return original(*args, **kwargs)
-            bound = signature.bind(*args, **kwargs)
-            payload = bound.arguments.get(arg) if arg else None
-            async_op = bool(bound.arguments.get("async_op", op in ("isend", "irecv")))
-            if async_op:  # not timed: it waits elsewhere
-                result, seconds = original(*args, **kwargs), 0.0
-            else:
-                device = _device_of(payload)
-                sync_device(device)  # on CUDA, time the op itself, not the queue ahead of it
-                start = time.perf_counter()
-                result = original(*args, **kwargs)
-                sync_device(device)  # a CUDA collective returns once it is queued
-                seconds = time.perf_counter() - start
-            self._record(op, nbytes(payload), bound.arguments.get("group"), seconds, async_op)
-            return result
-
-        wrapper.__wrapped_by_ledger__ = original
-        return wrapper
-
-    def _wrap_batch(self, original):
-        @functools.wraps(original)
-        def wrapper(p2p_op_list):
-            for p in p2p_op_list:
-                name = "isend" if p.op is _unwrap(self._saved["isend"]) else "irecv"
-                self._record(name, nbytes(p.tensor), p.group, 0.0, True)
-            self._in_batch = True
-            try:
-                return original(p2p_op_list)
-            finally:
-                self._in_batch = False
-
-        return wrapper
+    def _observe(self, call: intercept.Call):
+        """One intercepted call: a batch counts each P2POp (as isend/irecv), before it runs; another op
+        its payload, after it returns (a call that raises is not counted)."""
+        if call.op == "batch_isend_irecv":
+            for kind, p in call.p2p_ops():
+                self._record(kind, nbytes(p.tensor), p.group, 0.0, True)
+            yield
+            return
+        if call.op not in _PAYLOAD_ARG:
+            return
+        arg = _PAYLOAD_ARG[call.op]
+        payload = call.arguments.get(arg) if arg else None
+        async_op = call.async_op
+        seconds = 0.0  # an async call is not timed: it waits elsewhere
+        if not async_op:
+            device = _device_of(payload)
+            sync_device(device)  # on CUDA, time the op itself, not the queue ahead of it
+            start = time.perf_counter()
+        yield
+        if not async_op:
+            sync_device(device)  # a CUDA collective returns once it is queued
+            seconds = time.perf_counter() - start
+        self._record(call.op, nbytes(payload), call.group, seconds, async_op)

@@ -3,9 +3,9 @@
 Every rank keeps a small ring buffer of its last communication ops (op, sequence
 number, bytes, peer, group, start time, done or not) in a memory-mapped file, so
 the records survive the rank: a stopped (SIGSTOP) or crashed rank is read like a
-live one. The records come from wrappers on the public functions of
-``torch.distributed`` (the ones ``CommLedger`` wraps, plus barrier and the object
-collectives); a ``CommLedger`` entered later wraps these wrappers and sees the same calls.
+live one. The records come from observing the public functions of ``torch.distributed``
+through ``distlab.intercept`` (the ones ``CommLedger`` counts, plus barrier and the object
+collectives); a ``CommLedger`` sees the same calls there.
 
 Sequence numbers make the ranks' records comparable: the n-th collective a rank
 enters on a group is ``#n`` of that group on every rank, and the k-th message rank s
@@ -29,13 +29,11 @@ NCCL writes on a timeout) and prints the same report.
 
 The diagnosis lives in ``distlab.doctor_diagnosis`` and the progress and watchdog in
 ``distlab.doctor_watch``; their names are importable from here. This module keeps the recording
-(the ring buffer and the wrappers: ``distlab.grading.rules`` looks through this file's frames).
+(the ring buffer and its observer of ``distlab.intercept``).
 """
 from __future__ import annotations
 
 import argparse
-import functools
-import inspect
 import json
 import mmap
 import os
@@ -47,7 +45,7 @@ from collections import defaultdict
 
 import torch.distributed as dist
 
-from distlab import comm, doctor_watch, flight_recorder
+from distlab import comm, doctor_watch, flight_recorder, intercept
 from distlab.doctor_diagnosis import _P2P
 from distlab.metrics import nbytes
 # Re-exported: the diagnosis and the watch are importable from here (``doctor.diagnose``, ``doctor.Progress``).
@@ -172,13 +170,7 @@ def install(rank: int, path: str | None = None) -> Recorder:
         _RECORDER = Recorder(rank, path)
         if path:
             _FLIGHT_WRITER = flight_recorder.FileWriter(flight_recorder_path(path))
-        for op, arg in _OPS.items():
-            original = getattr(dist, op, None)
-            if original is not None:
-                setattr(dist, op, _wrap(op, arg, original))
-        dist.batch_isend_irecv = _wrap_batch(dist.batch_isend_irecv)
-        # torch accepts only its own isend/irecv in a P2POp: this P2POp unwraps them
-        dist.P2POp = comm._LedgerP2POp
+        intercept.subscribe("doctor", _observe)  # for the process's life
     return _RECORDER
 
 
@@ -193,39 +185,24 @@ def _peer(bound: dict) -> int | None:
     return None
 
 
-def _wrap(op, arg, original):
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        try:
-            bound = signature.bind(*args, **kwargs).arguments
-        except TypeError:  # let torch raise its own error
-            return original(*args, **kwargs)
-        async_op = bool(bound.get("async_op", op in ("isend", "irecv")))
-        rec = _RECORDER.begin(op, bound.get("group"), nbytes(bound.get(arg)) if arg else 0,
-                              _peer(bound) if op in _P2P else None, async_op)
-        result = original(*args, **kwargs)
-        if not async_op:
-            _RECORDER.end(rec)  # an op that raised stays "not done": where the rank was stuck
-        return result
-
-    wrapper.__wrapped_by_ledger__ = original  # comm._unwrap finds torch's own function
-    return wrapper
-
-
-def _wrap_batch(original):
-    @functools.wraps(original)
-    def wrapper(p2p_op_list):
-        for p in p2p_op_list:
-            name = "isend" if comm._unwrap(p.op) is comm._unwrap(dist.isend) else "irecv"
+def _observe(call: intercept.Call):
+    """Records one intercepted call: entered now, done when a synchronous call returns (an op that raised
+    stays "not done": where the rank was stuck). A batch records each P2POp as an isend/irecv."""
+    if call.op == "batch_isend_irecv":
+        for kind, p in call.p2p_ops():
             peer = p.peer
             if peer is None and getattr(p, "group_peer", None) is not None:  # P2POp(..., group_peer=)
                 peer = dist.get_global_rank(p.group or dist.GroupMember.WORLD, p.group_peer)
-            _RECORDER.begin(name, p.group, nbytes(p.tensor), peer, True)
-        return original(p2p_op_list)
-
-    return wrapper
+            _RECORDER.begin(kind, p.group, nbytes(p.tensor), peer, True)
+        return
+    if call.op not in _OPS:
+        return
+    arg, bound, async_op = _OPS[call.op], call.arguments, call.async_op
+    rec = _RECORDER.begin(call.op, bound.get("group"), nbytes(bound.get(arg)) if arg else 0,
+                          _peer(bound) if call.op in _P2P else None, async_op)
+    yield
+    if not async_op:
+        _RECORDER.end(rec)
 
 
 def start_watchdog(store, rank: int, world_size: int, timeout_s: float, interval_s: float | None = None,

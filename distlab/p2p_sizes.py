@@ -26,6 +26,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from distlab import intercept
 from distlab.metrics import nbytes
 
 SIZE_CHECK_ENV = "DISTLAB_P2P_SIZE_CHECK"  # "0": no size header on messages (every rank alike)
@@ -81,35 +82,41 @@ def size_check_enabled() -> bool:
 
 
 def _install_size_check() -> None:
+    global _batch_subscription
     if _SIZED:
         return
     for name, fn in (("send", _sized_send), ("recv", _sized_recv), ("recv_anysource", _sized_recv_anysource)):
         _SIZED[name] = _method(name)
         setattr(_PG, name, fn)
-    if not getattr(dist.batch_isend_irecv, "_distlab_sized", False):
-        # Installed once and never removed (others may have wrapped it since): a pass-through
-        # whenever the check is off. On NCCL a batch returns one coalesced Work, not ours.
-        real = dist.batch_isend_irecv
+    if _batch_subscription is None:  # a batch's receives are checked at its Work's wait
+        _batch_subscription = intercept.subscribe("p2p_sizes", _sized_batch, ops=("batch_isend_irecv",))
 
-        def batch_isend_irecv(p2p_op_list):
-            _sized_tls.checks = []
-            try:
-                works = real(p2p_op_list)
-                checks = _sized_tls.checks
-            finally:
-                _sized_tls.checks = None
-            if checks and works and not any(isinstance(w, _SizedRecvWork) for w in works):
-                works = [*works[:-1], _ThenCheck(works[-1], checks)]
-            return works
 
-        batch_isend_irecv._distlab_sized = True
-        dist.batch_isend_irecv = dist.distributed_c10d.batch_isend_irecv = batch_isend_irecv
+_batch_subscription: intercept.Subscription | None = None
+
+
+def _sized_batch(call: intercept.Call):
+    """A batch's receives, checked when its Work is waited for. On NCCL a batch returns one
+    coalesced Work, not ours: its ``wait`` then checks the batch's receives (``_ThenCheck``)."""
+    _sized_tls.checks = []
+    try:
+        yield
+        checks = _sized_tls.checks
+    finally:
+        _sized_tls.checks = None
+    works = call.result
+    if checks and works and not any(isinstance(w, _SizedRecvWork) for w in works):
+        call.result = [*works[:-1], _ThenCheck(works[-1], checks)]
 
 
 def _uninstall_size_check() -> None:
+    global _batch_subscription
     for name, fn in _SIZED.items():
         setattr(_PG, name, fn)
     _SIZED.clear()
+    if _batch_subscription is not None:
+        _batch_subscription.cancel()
+        _batch_subscription = None
 
 
 def strict_started() -> None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from distlab import p2p_sizes
+from distlab import intercept, p2p_sizes
 from distlab.p2p_sizes import _PG, _method
 
 STRICT_ENV = "DISTLAB_STRICT_P2P"
@@ -295,9 +295,9 @@ def _strict_recv_anysource(self, tensors, tag):
                          "known rank (the schedule says who sends next) or use a collective")
 
 
-def _strict_batch(p2p_op_list):
-    with _launch():
-        return _REAL["batch_isend_irecv"](p2p_op_list)
+def _strict_batch(call: intercept.Call):
+    with _launch():  # a raw dist.batch_isend_irecv is one launch too (this module marks its own batches itself)
+        yield
 
 
 def enable_strict() -> None:
@@ -310,13 +310,8 @@ def enable_strict() -> None:
     for name, fn in (("send", _strict_send), ("recv", _strict_recv), ("recv_anysource", _strict_recv_anysource)):
         _REAL[name] = _method(name)
         setattr(_PG, name, fn)
-    # A raw dist.batch_isend_irecv is one launch too (this module marks its own batches itself).
-    # Wrap what dist.batch_isend_irecv is now (the hang doctor's or a ledger's wrapper, if
-    # installed), so they keep seeing batched sends and receives under strict mode too.
-    c10d = dist.distributed_c10d
-    _REAL["batch_isend_irecv"] = dist.batch_isend_irecv
-    _REAL["c10d.batch_isend_irecv"] = c10d.batch_isend_irecv
-    c10d.batch_isend_irecv = dist.batch_isend_irecv = _strict_batch
+    # Observed through distlab.intercept, outermost: the doctor and the ledgers see the same batches.
+    _REAL["batch_isend_irecv"] = intercept.subscribe("p2p_strict", _strict_batch, ops=("batch_isend_irecv",))
 
 
 def disable_strict() -> None:
@@ -326,8 +321,7 @@ def disable_strict() -> None:
         if name in _REAL:
             setattr(_PG, name, _REAL[name])
     if "batch_isend_irecv" in _REAL:
-        dist.batch_isend_irecv = _REAL["batch_isend_irecv"]
-        dist.distributed_c10d.batch_isend_irecv = _REAL["c10d.batch_isend_irecv"]
+        _REAL["batch_isend_irecv"].cancel()
     _REAL.clear()
     _state = None
     p2p_sizes.strict_ended()

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from distlab import intercept
+
 _ALL_REDUCE = frozenset({"all_reduce", "allreduce", "all_reduce_coalesced", "allreduce_coalesced"})
 _REDUCE_SCATTER = frozenset({"reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base",
                              "reduce_scatter_tensor_coalesced", "reduce_scatter_single",
@@ -126,11 +128,10 @@ def rule_for(phase: str, name: str) -> Rule | None:
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _LIBRARIES = tuple({sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib")})
 _HERE = Path(__file__).resolve().parent
-_DISTLAB = _HERE.parent
-# The bench's interception wrappers (the ledger, the doctor, the trace) sit between a caller and torch:
-# looked through like torch, so a template's collective is still the template's under a CommLedger.
-_WRAPPERS = tuple(str(_DISTLAB / f) for f in ("comm.py", "doctor.py", "trace.py", "flight_recorder.py")) + \
-    (str(_HERE) + os.sep,)
+# The bench's interception wrappers (distlab.intercept and its observers: the ledger, the doctor, the trace)
+# sit between a caller and torch: looked through like torch, so a template's collective is still the
+# template's under a CommLedger. distlab.intercept says which files they are.
+_WRAPPERS = intercept.wrapper_files() + (str(_HERE) + os.sep,)
 _kinds: dict = {}  # code object -> (looked through?, template name or None, torch file or None)
 
 
