@@ -31,22 +31,28 @@ STRATEGIES = ["allreduce_reduce_broadcast", "allreduce_allgather_sum", "allreduc
 
 
 # --------------------------------------------------------------------------- 1.1-1.3 collectives
-def _rank_tensor(rank: int, shape, dtype) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(100 + rank), dtype=torch.float64).to(dtype)
+def _rank_tensor(rank: int, shape, dtype, transposed: bool = False) -> torch.Tensor:
+    """``transposed``: a non-contiguous view (a transposed matrix) of the same shape, as a learner's
+    ``weight.t()`` or a sliced gradient would be."""
+    g = torch.Generator().manual_seed(100 + rank)
+    if transposed:
+        return torch.randn(shape[::-1], generator=g, dtype=torch.float64).to(dtype).t()
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
 
 
 def _worker_allreduce(rank, world_size, strategy):
     p2p.enable_strict()  # NCCL's point-to-point rules, checked on gloo (distlab/p2p.py)
     fn = getattr(load(PHASE, "collectives"), strategy)
-    # Shapes: 7 and (3, 5) do not divide by 2, 3 or 4; (1,) has fewer elements than ranks.
-    for shape in [(7,), (3, 5), (1,)]:
+    # Shapes: 7 and (3, 5) do not divide by 2, 3 or 4; (1,) has fewer elements than ranks; (3, 5)
+    # transposed is not contiguous (messages are: the result must still land in the caller's view).
+    for shape, transposed in [((7,), False), ((3, 5), False), ((3, 5), True), ((1,), False)]:
         for dtype in (torch.float32, torch.float64):
             for op in ("sum", "avg"):
-                inputs = [_rank_tensor(r, shape, dtype) for r in range(world_size)]
+                inputs = [_rank_tensor(r, shape, dtype, transposed) for r in range(world_size)]
                 expected = torch.stack([t.double() for t in inputs]).sum(0)
                 if op == "avg":
                     expected /= world_size
-                builtin = inputs[rank].clone()
+                builtin = inputs[rank].clone(memory_format=torch.contiguous_format)  # gloo: contiguous
                 dist.all_reduce(builtin)
                 if op == "avg":
                     builtin /= world_size
@@ -54,7 +60,7 @@ def _worker_allreduce(rank, world_size, strategy):
                 ledger = CommLedger()
                 with ledger:
                     out = fn(mine, op=op)
-                what = f"rank {rank}, {strategy}, shape {shape}, {dtype}, op {op}"
+                what = f"rank {rank}, {strategy}, shape {shape}{' non-contiguous' if transposed else ''}, {dtype}, op {op}"
                 assert out is mine, f"{what}: must work in place and return its argument"
                 # The summation order differs from the float64 reference and from gloo's,
                 # so allow rounding at the tensor's precision; a missing rank or a missing

@@ -25,6 +25,7 @@ from distlab.models import ToyMLP, seeded
 from distlab.testing import (assert_at_most, assert_equal, assert_models_close, assert_tensors_close, explain_tags,
                              ring_tagged, shard)
 from distlab.todo import LearnerTODO
+from property_checks import EventLog
 
 PHASE = "phase3_multi_node"
 WORLD_SIZES = [1, 2, 3, 4]
@@ -203,15 +204,13 @@ def _worker_ring_allreduce(rank, world_size):
 def _worker_ring_allreduce_pipelined(rank, world_size):
     p2p.enable_strict()  # NCCL's point-to-point rules, checked on gloo (distlab/p2p.py)
     ring = load(PHASE, "ring_allreduce")
-    for slice_bytes in (8, 1 << 20):  # 1-2 elements per slice (many slices), and one slice per chunk
-        _check_allreduce(rank, world_size, lambda t, op: ring.ring_allreduce_pipelined(t, op=op, slice_bytes=slice_bytes),
-                         f"ring_allreduce_pipelined(slice_bytes={slice_bytes})")
-    # A larger tensor, so that many slices are in flight at once.
+    # Structure first (a ring that waits on every launch is slow under the strict checks below): a larger
+    # tensor, so that many slices are in flight at once.
     x = torch.randn(10_001, generator=torch.Generator().manual_seed(rank))
     expected = x.clone()
     dist.all_reduce(expected)
     ledger = CommLedger()
-    with ledger:
+    with ledger, EventLog(adds=True) as log:
         ring.ring_allreduce_pipelined(x, slice_bytes=256)
     assert_tensors_close(x, expected, f"rank {rank}, pipelined, 10001 floats vs dist.all_reduce")  # float32 rounding
     if world_size > 1:
@@ -223,6 +222,19 @@ def _worker_ring_allreduce_pipelined(rank, world_size):
                    f"{2 * (world_size - 1) * (chunk * 4 // 256)} sends of <= 256 B (slice_bytes)")
         assert_at_most(max(sizes), 256, message)
         assert len(sizes) >= 2 * (world_size - 1) * (chunk * 4 // 256), message  # a lower bound: no recorded helper
+        # Overlap, by the order of calls: while a received slice is added, the next slices are already
+        # posted (and waited only later). Waiting on each launch before the next gives the same bytes and
+        # slices with nothing in flight during any add. At least half: the last slices of the all-gather
+        # have nothing after them, and how far ahead to post is the learner's choice.
+        adds = log.computes("add:")
+        overlapped = sum(1 for _, in_flight in adds if in_flight)
+        assert_at_most((len(adds) + 1) // 2, overlapped,
+                       f"rank {rank}: not pipelined: only {overlapped} of {len(adds)} adds ran with a transfer in "
+                       "flight; post the next slices' launches before waiting for (and adding) the current one",
+                       baseline=False)  # the bound is the learner's own count of adds
+    for slice_bytes in (8, 1 << 20):  # 1-2 elements per slice (many slices), and one slice per chunk
+        _check_allreduce(rank, world_size, lambda t, op: ring.ring_allreduce_pipelined(t, op=op, slice_bytes=slice_bytes),
+                         f"ring_allreduce_pipelined(slice_bytes={slice_bytes})")
 
 
 @pytest.mark.exercise("3.3 ring all-reduce")

@@ -22,6 +22,7 @@ from distlab.spawn import run_distributed
 from distlab.models import TiedFrozenModel, ToyMLP, seeded
 from distlab.testing import (assert_at_most, assert_equal, assert_grads_close, assert_models_close,
                              assert_ranks_identical, assert_tensors_close, max_abs_diff, shard)
+from property_checks import EventLog, LiveBytes, nbytes
 
 PHASE = "phase3_multi_node"
 WORLD_SIZES = [1, 2, 3, 4]
@@ -551,6 +552,68 @@ def test_zero3_default_on_a_cpu_keeps_nothing_in_flight_and_matches_overlapped()
     run_distributed(_worker_zero3_blocking, 2)
 
 
+def _worker_zero3_prefetch_overlaps(rank, world_size):
+    """overlap_comm=True: the prefetched unit's all-gather is posted before a unit's backward computes and
+    waited only after it (by the order of calls). A synchronous all-gather gives the same numbers, and no
+    overlap."""
+    fsdp = _zero(3, seeded(Deep, 0).double(), overlap_comm=True)  # 7 units, no root unit
+    log = EventLog()
+    for i, u in enumerate(fsdp.units):  # registered after the wrapper's pre-hook (which prefetches): runs after it
+        u.module.register_full_backward_pre_hook(lambda m, g, i=i: log.mark(f"backward:{i}"))
+    opt = _adamw(fsdp)
+    g = torch.Generator().manual_seed(3)
+    for step in range(2):  # the second backward runs in the order the first recorded
+        x, y = torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randint(3, (8,), generator=g)
+        opt.zero_grad()
+        log.events.clear()
+        with log:
+            _loss(fsdp(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+        opt.step()
+        backwards = log.computes("backward:", posted=(ALL_GATHER_SINGLE, "all_gather_into_tensor", "all_gather"))
+        overlapped = [label for label, in_flight in backwards if in_flight]
+        # Every unit but the last to run backward has a unit after it to prefetch (prefetch=1).
+        assert_at_most(len(fsdp.units) - 1, len(overlapped),
+                       f"rank {rank}, step {step}, overlap_comm=True: an all-gather was in flight during "
+                       f"{len(overlapped)} of {len(backwards)} unit backwards, expected {len(fsdp.units) - 1}: "
+                       "start it with async_op=True and keep the handle in u.gather (the caller waits)",
+                       baseline=False)  # the count of units is the wrapper's own
+
+
+@pytest.mark.exercise("3.17-3.18 ZeRO-3")
+def test_zero3_overlapped_prefetch_is_in_flight_during_backward():
+    run_distributed(_worker_zero3_prefetch_overlaps, 2)
+
+
+def _worker_zero3_peak_order(rank, world_size):
+    """3.18a's order: a unit's gathered parameters are freed before its flat gradient is made. Measured at
+    every operation (a dispatch mode), gathered parameters + full gradients held at once."""
+    fsdp = _zero(3, seeded(Deep, 0).double())  # the CPU default, overlap_comm=False: nothing in flight
+    unit = max(u.full.numel() * 8 for u in fsdp.units)
+    meter = LiveBytes(lambda: sum(
+        u.full.untyped_storage().size() + sum(nbytes(t) for t in (u.grad_full, u.grad_acc, *(p.grad for p in u.params)))
+        for u in fsdp.units))
+    opt = _adamw(fsdp)
+    g = torch.Generator().manual_seed(3)
+    for step in range(2):
+        x, y = torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randint(3, (8,), generator=g)
+        opt.zero_grad()
+        with meter:
+            _loss(fsdp(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+        opt.step()
+    # FSDP2's bound: at any instant two units' parameters (the one in backward, or the one prefetched, and
+    # the next) and one unit's gradients (autograd's, then the flat buffer they are copied into).
+    # Making the flat gradient before freeing the unit's parameters holds a third unit's parameters.
+    assert_at_most(meter.peak, 3 * unit,
+                   f"rank {rank}: {meter.peak} B of gathered parameters + full gradients at once, more than "
+                   f"3 units ({3 * unit} B): in 3.18a free the unit's gathered parameters (self._reshard(u)) "
+                   "before creating u.grad_full", baseline=False)  # the unit size is the wrapper's own
+
+
+@pytest.mark.exercise("3.17-3.18 ZeRO-3")
+def test_zero3_frees_parameters_before_making_the_flat_gradient():
+    run_distributed(_worker_zero3_peak_order, 2)
+
+
 def _bf16_model(kind: str, seed: int) -> nn.Module:
     if kind == "mlp":
         return seeded(ToyMLP, seed, 6, 10, 3)
@@ -714,6 +777,18 @@ def _worker_zero3_checkpoint(rank, world_size):
     for name, t in _gathered(fsdp).items():  # the test's own gather: same chunks, no arithmetic
         assert_tensors_close(full[name], t, f"rank {rank}: full_state_dict()[{name!r}] is not the gathered tensor",
                              rtol=0, atol=0, baseline=False)
+    # Copies, not views: each tensor owns exactly its bytes (a view of the flat gather keeps the whole unit
+    # alive and shares memory with the other names; safetensors refuses it), tied names excepted.
+    firsts = [n for n in full if n not in fsdp.aliases]
+    for name in firsts:
+        t = full[name]
+        assert_equal(t.untyped_storage().nbytes(), t.numel() * t.element_size(),
+                     f"rank {rank}: full_state_dict()[{name!r}] is a view into a "
+                     f"{t.untyped_storage().nbytes()} B buffer, not its own {t.numel() * t.element_size()} B: "
+                     "clone each parameter's slice of the gathered flat tensor", baseline=False)
+    shared = len(firsts) - len({full[n].untyped_storage().data_ptr() for n in firsts})
+    assert_equal(shared, 0, f"rank {rank}: {shared} tensors of full_state_dict() share memory with another name",
+                 baseline=False)
     restored = _zero(3, _make("tied_frozen", 7), impl="solutions")  # other weights: the loads must overwrite them
     restored_opt = _adamw(restored)
     assert st.sharded_state_dict(fsdp)["optimizer"] is None, f"rank {rank}: no optimizer given: weights only"
