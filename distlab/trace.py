@@ -24,7 +24,6 @@ when it leaves; ``merge`` turns those into one trace. Times are wall-clock micro
 from __future__ import annotations
 
 import fcntl
-import functools
 import json
 import os
 import re
@@ -51,55 +50,24 @@ class TraceLedger(CommLedger):
         super()._record(op, nbytes, group, seconds, async_op)
         self.times.append([end - seconds, end])
 
-    def _wrap(self, op, arg, original):
-        counted = super()._wrap(op, arg, original)
-
-        @functools.wraps(original)
-        def traced(*args, **kwargs):
-            before = len(self.records)
-            result = counted(*args, **kwargs)
-            if len(self.records) > before and hasattr(result, "wait"):
-                return _TimedWork(result, self, [len(self.records) - 1])
-            return result
-
-        traced.__wrapped_by_ledger__ = original
-        return traced
-
-    def _wrap_batch(self, original):
-        counted = super()._wrap_batch(original)
-
-        @functools.wraps(original)
-        def traced(p2p_op_list):
-            before = len(self.records)
-            works = counted(p2p_op_list)
-            ids = list(range(before, len(self.records)))
-            if works and len(works) == len(ids):
-                return [_TimedWork(w, self, [i]) for w, i in zip(works, ids)]
-            return [_TimedWork(w, self, ids) for w in works or []]  # one Work for the whole batch (NCCL)
-
-        return traced
+    def _observe(self, call):
+        """The ledger's record, then (via distlab.intercept) when each returned Work's wait ended."""
+        before = len(self.records)
+        yield from super()._observe(call)
+        ids = list(range(before, len(self.records)))
+        if not ids:
+            return
+        if call.op == "batch_isend_irecv":
+            # One Work per P2POp, or one Work for the whole batch (NCCL)
+            call.on_wait(lambda k, start, end: self.waited([ids[k]] if len(call.result) == len(ids) else ids,
+                                                           start, end))
+            return
+        call.on_wait(lambda k, start, end: self.waited([ids[-1]], start, end))
 
     def waited(self, ids: list[int], start: float, end: float) -> None:
         self.waits.append((ids, start, end))
         for i in ids:
             self.done.setdefault(i, end)
-
-
-class _TimedWork:
-    """An async op's Work whose ``wait()`` is timed; everything else goes to the Work itself."""
-
-    def __init__(self, work, ledger: TraceLedger, ids: list[int]) -> None:
-        self._work, self._ledger, self._ids = work, ledger, ids
-
-    def wait(self, *args, **kwargs):
-        start = time.time()
-        try:
-            return self._work.wait(*args, **kwargs)
-        finally:
-            self._ledger.waited(self._ids, start, time.time())
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
 
 
 # --- one rank's life ------------------------------------------------------------------------------
