@@ -153,6 +153,26 @@ def diagnose(records: dict[int, list[dict]], states: dict[int, str], world_size:
     return findings + collective_findings, table(records, states, now)
 
 
+def skipped(records: dict[int, list[dict]], rank: int, world_size: int) -> str | None:
+    """"rank 1 never entered all_gather #2 (32 B) on WORLD that rank 0 is waiting in ...": ``rank`` (which
+    raised) left out a collective that other ranks sit in; None when no other rank waits in one it skipped."""
+    mine = records.get(rank) or []
+    for seq_key in sorted({(p["g"], p["seq"]) for r, recs in records.items() if r != rank
+                           for p in [_pending(recs)] if p and p["op"] not in _P2P}, key=lambda k: k[1]):
+        group, seq = seq_key
+        members = range(world_size) if group == "WORLD" else (
+            [int(x) for x in group.split(",")] if group[0].isdigit() and "ranks" not in group else [])
+        if rank not in members or max([r["seq"] for r in mine if r["g"] == group and r["op"] not in _P2P],
+                                      default=0) >= seq:
+            continue
+        waiting = [r for r, recs in sorted(records.items()) if r != rank and _pending(recs)
+                   and (_pending(recs)["g"], _pending(recs)["seq"]) == seq_key]
+        rec = _pending(records[waiting[0]])
+        return (f"rank {rank} never entered {_name(rec)} that {_ranks(waiting)} {'is' if len(waiting) == 1 else 'are'} "
+                "waiting in: a collective only some ranks call (every rank of the group must call it, in the same order)")
+    return None
+
+
 FLIGHT_RECORDER = "flight recorder"
 
 

@@ -5,6 +5,14 @@ use it); ``start_watchdog`` (started by ``init_from_env`` through ``distlab.doct
 on unless DISTLAB_HANG_TIMEOUT=0) publishes the ranks' records to the rendezvous store and prints
 the doctor's table when a rank stays blocked and no rank progresses that long. The course's code
 imports these names from ``distlab.doctor``.
+
+A slow machine is said, never blamed. Every course deadline (``run_distributed``'s run deadline and its
+process group's timeout, ``init_from_env``'s, the watchdog's, pytest-timeout's per-test limits) is
+multiplied by ``DISTLAB_TIMEOUT_SCALE`` (default 1; e.g. 3 on a machine you know is slow). A run whose
+ranks keep making progress past its deadline on a busy machine (its ranks wait for a CPU: ``run_delay``)
+is waited for, up to ``HARD_CAP`` times the deadline (or the test's own pytest-timeout, less a margin);
+if it is still going then, ``slow_machine`` says so ("slow machine (load 37.2 on 2 cores), not your
+code: rerun ...") and names nobody.
 """
 from __future__ import annotations
 
@@ -59,17 +67,111 @@ class Progress:
         return state in ("R", "D") or seen is None or seen != (ticks, last_op)
 
 
+# --------------------------------------------------------------------------- deadlines on a busy machine
+TIMEOUT_SCALE_ENV = "DISTLAB_TIMEOUT_SCALE"
+TEST_DEADLINE_ENV = "DISTLAB_TEST_DEADLINE"  # when pytest-timeout ends the current test (time.time()), set below
+HARD_CAP = 10  # a run that keeps progressing on a busy machine is waited for up to 10x its deadline
+BUSY_SHARE = 0.2  # the ranks waited for a CPU for 20% of the run's wall time (summed): the machine is busy
+
+
+def timeout_scale() -> float:
+    """DISTLAB_TIMEOUT_SCALE as a number (1 when unset): every course deadline is multiplied by it."""
+    setting = os.environ.get(TIMEOUT_SCALE_ENV, "").strip()
+    try:
+        value = float(setting) if setting else 1.0
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{TIMEOUT_SCALE_ENV}={setting!r} must be a number > 0 that multiplies every deadline "
+                         f"(e.g. {TIMEOUT_SCALE_ENV}=3 on a slow machine)")
+    return value
+
+
+def machine_load() -> str:
+    """``load 37.2 on 2 cores``: the 1-minute load average and the cores this process may use."""
+    try:
+        load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    except (OSError, AttributeError):
+        return "load unknown"
+    return f"load {load:.1f} on {cores} core{'s' if cores != 1 else ''}"
+
+
+def run_delay(pid: int) -> float:
+    """Seconds the main thread of ``pid`` has waited, runnable, for a CPU (/proc/PID/schedstat); 0.0 if unknown."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def busy(waited_s: float, wall_s: float) -> bool:
+    """The machine slowed the run: its ranks waited ``waited_s`` (summed) for a CPU in ``wall_s``; where
+    /proc has no schedstat (``waited_s`` 0), a load average above the cores counts instead."""
+    if waited_s > 0:
+        return waited_s >= BUSY_SHARE * wall_s
+    try:
+        return os.getloadavg()[0] > len(os.sched_getaffinity(0))
+    except (OSError, AttributeError):
+        return False
+
+
+def slow_machine(ranks: list[int], waited_s: float) -> str:
+    """The one line for a run that was still progressing when its deadline's hard cap passed."""
+    return (f"slow machine ({machine_load()}), not your code: rerun (or set {TIMEOUT_SCALE_ENV}="
+            f"{max(2, 2 * timeout_scale()):g}); ranks {ranks} were still making progress after {waited_s:.0f} s")
+
+
+TEST_MARGIN_S = 10  # before pytest-timeout fires, for the run's own report to arrive (tests/test_timeouts.py's)
+
+
+def hard_cap_s(timeout_s: float) -> float:
+    """How long a run with deadline ``timeout_s`` (scaled) that keeps progressing on a busy machine is waited
+    for: ``HARD_CAP`` times the deadline, ending ``TEST_MARGIN_S`` before the current test's pytest-timeout
+    (never before the deadline itself)."""
+    left = test_time_left()
+    cap = timeout_s * HARD_CAP if left is None else min(timeout_s * HARD_CAP, left - TEST_MARGIN_S)
+    return max(timeout_s, cap)
+
+
+def test_time_left() -> float | None:
+    """Seconds before pytest-timeout ends the current test (``set_test_timer``), or None outside one."""
+    try:
+        return float(os.environ[TEST_DEADLINE_ENV]) - time.time()
+    except (KeyError, ValueError):
+        return None
+
+
+def set_test_timer(item, settings) -> bool:
+    """pytest-timeout's ``pytest_timeout_set_timer`` with the test's timeout scaled by DISTLAB_TIMEOUT_SCALE,
+    and the moment it fires in ``TEST_DEADLINE_ENV``: a run waited for on a busy machine ends before it."""
+    import pytest_timeout
+
+    settings = settings._replace(timeout=settings.timeout * timeout_scale())
+    os.environ[TEST_DEADLINE_ENV] = repr(time.time() + settings.timeout)
+    pytest_timeout.pytest_timeout_set_timer(item, settings)
+    cancel = item.cancel_timeout
+
+    def cancel_and_forget() -> None:
+        os.environ.pop(TEST_DEADLINE_ENV, None)
+        cancel()
+
+    item.cancel_timeout = cancel_and_forget
+    return True
+
+
 # --------------------------------------------------------------------------- torchrun watchdog
 def watchdog_timeout(setting: str | None, run_timeout_s: float) -> float:
     """The watchdog's timeout in seconds from DISTLAB_HANG_TIMEOUT (0: off).
 
     Unset or empty: ``run_timeout_s``/10, between 10 and 30 s (a stopped or stuck rank is
     named in well under a minute; a healthy rank waits for a slow one much longer than
-    that only if neither makes progress). "0" or "off": no watchdog.
+    that only if neither makes progress). "0" or "off": no watchdog. Either is multiplied by
+    DISTLAB_TIMEOUT_SCALE (``run_timeout_s`` is the caller's own, unscaled).
     """
     setting = (setting or "").strip().lower()
     if not setting:
-        return min(30.0, max(10.0, run_timeout_s / 10))
+        return min(30.0, max(10.0, run_timeout_s / 10)) * timeout_scale()
     if setting in ("0", "off", "none"):
         return 0.0
     try:
@@ -79,7 +181,7 @@ def watchdog_timeout(setting: str | None, run_timeout_s: float) -> float:
                          f"{HANG_TIMEOUT_ENV}=0 turns the watchdog off)") from None
     if value < 0:
         raise ValueError(f"{HANG_TIMEOUT_ENV}={setting} must be >= 0 seconds ({HANG_TIMEOUT_ENV}=0 turns the watchdog off)")
-    return value
+    return value * timeout_scale()
 
 
 def start_watchdog(recorder, store, rank: int, world_size: int, timeout_s: float,

@@ -43,6 +43,7 @@ import torch.distributed as dist  # noqa: E402
 
 from distlab import doctor, p2p, role, trace
 from distlab.devices import DEVICE_ENV, resolve_backend, resolve_device
+from distlab.doctor_watch import timeout_scale
 # The agent and its one-line errors, importable from here (`from distlab.launch import BoundTCPStore`).
 from distlab.launch_agent import BoundTCPStore, torchrun  # noqa: E402
 from distlab.launch_errors import (  # noqa: E402,F401
@@ -127,6 +128,7 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
     if problem:
         raise ValueError(problem)
     rank = int(os.environ["RANK"])
+    run_timeout_s, timeout_s = timeout_s, timeout_s * timeout_scale()  # DISTLAB_TIMEOUT_SCALE (doctor_watch.py)
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -144,7 +146,7 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> DistEnv:
         die_with_parent()  # the agent: a SIGKILLed agent cannot stop its workers itself
         _quiet_ctrl_c()
     tie_to(os.environ.get(TIE_ENV))
-    hang_timeout_s = doctor.watchdog_timeout(os.environ.get(doctor.HANG_TIMEOUT_ENV), timeout_s)
+    hang_timeout_s = doctor.watchdog_timeout(os.environ.get(doctor.HANG_TIMEOUT_ENV), run_timeout_s)
     if hang_timeout_s:
         doctor.install(rank)
         # A connection of its own: the watchdog must not queue behind a store call the rank is stuck in.

@@ -23,7 +23,13 @@ one launcher every test and demo uses, and it keeps the promises a course needs:
   rank on a busy machine is progress), or on a timeout or a crash, the
   records are merged into one table that names the rank that never arrived and the op
   the others wait in ("rank 1 never entered all_reduce #3 (16 B) on WORLD ..."); PyTorch's
-  flight recorder fills in the collectives torch issues itself (DDP's all-reduces).
+  flight recorder fills in the collectives torch issues itself (DDP's all-reduces);
+* says when the machine is slow: a run still making progress at its deadline while its ranks wait
+  for a CPU (a busy machine) is waited for, up to ``doctor_watch.HARD_CAP`` times the deadline (and
+  within the test's pytest-timeout); past that it fails with "slow machine (load N on K cores), not
+  your code: rerun" and names nobody. ``DISTLAB_TIMEOUT_SCALE`` multiplies every deadline here;
+* says who skipped a collective: when a rank raises while others wait in a collective it never
+  entered, the first line says so, and the rank's own error follows.
 
 Inside a test, a learner's ``dist.all_reduce`` runs wrapped: the hang doctor records each op
 (``distlab.doctor``), a ``CommLedger`` counts its bytes where the test opens one
@@ -51,7 +57,8 @@ import uuid
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
-from distlab import doctor, hooks, outcome, testing
+from distlab import doctor, doctor_watch, hooks, outcome, testing
+from distlab.doctor_diagnosis import _pending, skipped
 from distlab.devices import resolve_backend
 from distlab.procs import kill_process_tree, marked_environ
 from distlab.rank import InitError, child
@@ -150,12 +157,14 @@ def _run_distributed_once(fn: Callable[..., Any], world_size: int, *args: Any, b
         backend: "gloo", "nccl", "cpu:gloo,cuda:nccl" or "auto" (gloo: the workers' tensors
             are on the CPU unless they choose otherwise); with NCCL, rank r uses ``cuda:r``.
         timeout_s: the whole run's deadline; ranks still running then are killed
-            and ``TimeoutError`` names them (with the hang doctor's table).
+            and ``TimeoutError`` names them (with the hang doctor's table), unless they are
+            still making progress on a busy machine: then the run is waited for up to
+            ``doctor_watch.HARD_CAP`` times as long, and fails with "slow machine ..." past that.
         pg_timeout_s: the process group's timeout, after which a collective or
-            recv without a peer raises inside the rank (default: ``timeout_s``: a rank
+            recv without a peer raises inside the rank (default: past the hard cap: a rank
             that waits for a peer still running its own code, slowly on a busy machine,
             is not failed before the run's deadline; true hangs are named sooner by the
-            doctor's watch, below).
+            doctor's watch, below). Every deadline is multiplied by DISTLAB_TIMEOUT_SCALE.
         hang_s: when no unfinished rank has made progress for this long (none runnable,
             none using CPU on its main thread, no new communication op: ``doctor.Progress``)
             and the ranks' records name a culprit, raise ``HangError`` with the doctor's
@@ -173,10 +182,13 @@ def _run_distributed_once(fn: Callable[..., Any], world_size: int, *args: Any, b
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     backend = resolve_backend(backend, world_size)
-    if pg_timeout_s is None:
-        pg_timeout_s = max(2.0, timeout_s)
-    if hang_s is None:
-        hang_s = min(5.0, pg_timeout_s / 2)  # a hang is named in seconds, a blocked rank's own timeout is later
+    scale = doctor_watch.timeout_scale()
+    timeout_s *= scale
+    if hang_s is None:  # a hang is named in seconds, a blocked rank's own timeout is later
+        hang_s = min(5.0 * scale, (timeout_s if pg_timeout_s is None else pg_timeout_s * scale) / 2)
+    else:
+        hang_s *= scale
+    pg_timeout_s = max(2.0, timeout_s * (doctor_watch.HARD_CAP + 1)) if pg_timeout_s is None else pg_timeout_s * scale
     ctx = _context()
     tmpdir = tempfile.mkdtemp(prefix="distlab-")
     store_path = os.path.join(tmpdir, "store")
@@ -224,13 +236,14 @@ def _run_distributed_once(fn: Callable[..., Any], world_size: int, *args: Any, b
 run_distributed.__doc__ = _run_distributed_once.__doc__
 
 class _Watch:
-    """The parent's side of the hang doctor: ranks' idleness, their records, the diagnosis."""
+    """The parent's side of the hang doctor: ranks' progress, their records, the diagnosis."""
 
     def __init__(self, procs, paths, hang_s: float) -> None:
         self.procs, self.paths, self.hang_s = procs, paths, hang_s
-        now = time.monotonic()
+        self.started = now = time.monotonic()
         self.busy_at = [now] * len(procs)  # when each rank last made progress (doctor.Progress)
         self.progress = [doctor.Progress(p.pid) for p in procs]
+        self.waited = [0.0] * len(procs)  # seconds each rank waited, runnable, for a CPU (kept after it ends)
 
     def states(self, finished: dict[int, str]) -> dict[int, str]:
         out = dict(finished)
@@ -242,21 +255,32 @@ class _Watch:
     def records(self) -> dict[int, list[dict]]:
         return {rank: doctor.read_records(path) for rank, path in enumerate(self.paths)}
 
-    def hung(self, pending: set[int], finished: dict[int, str]) -> BaseException | None:
-        """A HangError when no pending rank has made progress for ``hang_s`` and the records name a culprit.
+    def look(self, pending: set[int]) -> dict[int, list[dict]]:
+        """Note which pending ranks made progress since the last look, and how long the ranks waited for a CPU.
 
         Progress, not CPU share: on a busy machine a rank running its own code may get a few
         percent of a core, and it is not hung (it is runnable, state R, or its main thread's CPU
         time moved); a rank blocked in a collective sleeps with its main thread's CPU time still.
         """
-        if self.hang_s <= 0:
-            return None
         now, records = time.monotonic(), self.records()
         for rank in pending:
-            last = records[rank][-1]["i"] if records[rank] else -1
-            if self.progress[rank].moved(last):
+            if self.progress[rank].moved(records[rank][-1]["i"] if records[rank] else -1):
                 self.busy_at[rank] = now
-        if any(now - self.busy_at[r] < self.hang_s for r in pending):
+        for rank, p in enumerate(self.procs):
+            self.waited[rank] = max(self.waited[rank], doctor_watch.run_delay(p.pid) if p.pid else 0.0)
+        return records
+
+    def moving(self, pending: set[int]) -> list[int]:
+        """The pending ranks that made progress within the last max(hang_s, 1 s) (looks are 0.5 s apart)."""
+        return [r for r in sorted(pending) if time.monotonic() - self.busy_at[r] < max(self.hang_s, 1.0)]
+
+    def slowed(self, pending: set[int]) -> bool:
+        """Still progressing on a machine busy enough to slow the ranks down."""
+        return bool(self.moving(pending)) and doctor_watch.busy(sum(self.waited), time.monotonic() - self.started)
+
+    def hung(self, pending: set[int], finished: dict[int, str], records) -> BaseException | None:
+        """A HangError when no pending rank has made progress for ``hang_s`` and the records name a culprit."""
+        if self.hang_s <= 0 or any(time.monotonic() - self.busy_at[r] < self.hang_s for r in pending):
             return None
         return self.diagnosis(records, finished, "hang", idle=True)
 
@@ -275,9 +299,11 @@ class _Watch:
 
 
 def _collect(procs, readers, timeout_s: float, watch: _Watch) -> list[Any]:
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline, cap = start + timeout_s, start + doctor_watch.hard_cap_s(timeout_s)
     results: dict[int, Any] = {}
     errors: dict[int, BaseException] = {}
+    raw: dict[int, tuple] = {}  # rank -> its error report, as it came
     finished: dict[int, str] = {}  # rank -> how it ended, for the doctor's table
     pending = set(range(len(procs)))
     checks: dict[int, list[dict]] = {}  # a grading run's records, per rank (distlab/testing.py)
@@ -303,25 +329,33 @@ def _collect(procs, readers, timeout_s: float, watch: _Watch) -> list[Any]:
             checks[rank] = msg[2] if len(msg) > 2 and msg[2] is not None else []
             finished[rank] = "returned"
         else:
-            errors[rank] = _rebuild(rank, *msg[1:])
+            errors[rank], raw[rank] = _rebuild(rank, *msg[1:]), msg
             finished[rank] = f"raised {msg[2]}"
 
-    while pending and not errors:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            report = watch.diagnosis(watch.records(), finished, "timeout")
-            raise TimeoutError(
-                f"ranks {sorted(pending)} did not finish within {timeout_s:.0f} s "
-                "(a send/recv or collective that not every rank called?)"
-                + (f"\n{report}" if report else ""))
-        # Look at the ranks every half second: a deadlock is named in seconds, not at the timeout.
-        ready = wait([readers[r] for r in pending] + [procs[r].sentinel for r in pending],
-                     timeout=min(remaining, 0.5))
+    def hear(within_s: float) -> list:
+        ready = wait([readers[r] for r in pending] + [procs[r].sentinel for r in pending], timeout=within_s)
         for rank in sorted(pending):
             if readers[rank] in ready or procs[rank].sentinel in ready:
                 receive(rank)
+        return ready
+
+    while pending and not errors:
+        now = time.monotonic()
+        if now >= deadline and watch.slowed(pending):  # progressing on a busy machine: slow, not stuck
+            if now >= cap:
+                raise TimeoutError(doctor_watch.slow_machine(watch.moving(pending), now - start))
+            deadline = min(cap, now + 0.5)
+        elif now >= deadline:
+            report = watch.diagnosis(watch.records(), finished, "timeout")
+            spinning = bool(watch.moving(pending))
+            raise TimeoutError(
+                f"ranks {sorted(pending)} did not finish within {timeout_s:.0f} s "
+                + ("(still running their own code on an idle machine: an endless loop?)" if spinning else
+                   "(a send/recv or collective that not every rank called?)") + (f"\n{report}" if report else ""))
+        # Look at the ranks every half second: a deadlock is named in seconds, not at the timeout.
+        ready = hear(min(deadline - now, 0.5))
         if not ready and not errors:
-            hang = watch.hung(pending, finished)
+            hang = watch.hung(pending, finished, watch.look(pending))
             if hang is not None and not any(readers[r].poll() for r in pending):
                 raise hang  # (a rank that reported meanwhile, e.g. its unfinished TODO, is heard first)
     if errors:
@@ -335,13 +369,23 @@ def _collect(procs, readers, timeout_s: float, watch: _Watch) -> list[Any]:
             rank, exc = item
             return any(word in str(exc).lower()[:300] for word in _SECONDARY), rank
 
-        first = min(errors.items(), key=secondary)[1]
+        first_rank, first = min(errors.items(), key=secondary)
         # A timeout, a closed connection or a crash inside gloo (SIGABRT on a size mismatch)
         # blames whichever rank noticed first: the records say who never arrived.
-        if secondary(min(errors.items(), key=secondary))[0] or "(signal 6)" in str(first):
+        if secondary((first_rank, first))[0] or "(signal 6)" in str(first):
             hang = watch.diagnosis(watch.records(), finished, "hang" if "signal 6" not in str(first) else "mismatch")
             if hang is not None:
                 raise hang from first
+        if first_rank in raw and not raw[first_rank][5]:  # its own error, not a TODO: did it skip a collective?
+            settle = time.monotonic() + min(2.0, max(watch.hang_s, 1.0))  # for the others to enter the one it skipped
+            while pending and time.monotonic() < settle and not all(_pending(watch.records()[r]) for r in pending):
+                hear(0.1)
+            line = skipped(watch.records(), first_rank, len(procs)) if pending else None
+            if line:
+                _, module, qualname, text, tb, _ = raw[first_rank]
+                table = doctor.table(watch.records(), watch.states(finished), time.time())
+                raise _rebuild(first_rank, module, qualname, f"{line}\nrank {first_rank} then raised "
+                               f"{qualname.rsplit('.', 1)[-1]}: {text}\nwhat each rank was doing:\n{table}", tb, False)
         raise first
     for rank in range(len(procs)):
         testing.add_records(checks[rank], rank)

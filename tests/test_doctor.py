@@ -399,3 +399,22 @@ def test_a_well_formed_hand_made_dump_is_read():
                                          is_p2p=True)], "pg_config": {"0": {"desc": "default_pg", "ranks": "[0, 1]"}}}
     assert flight_recorder.malformed(data) is None
     assert [r["op"] for r in flight_recorder.to_records(data)] == ["all_reduce", "send"]
+
+
+def _worker_leaves_out_a_collective(rank, world_size):
+    t = torch.ones(4)
+    if rank != 1:  # the bug: rank 1 leaves out the all-reduce the others enter
+        dist.all_reduce(t)
+    assert t.tolist() == [float(world_size)] * 4, f"rank {rank}: all_reduce gave {t.tolist()}"
+
+
+@pytest.mark.parametrize("world_size, waiting", [(2, "rank 0 is"), (3, "ranks 0, 2 are")])
+def test_a_rank_that_skipped_a_collective_is_named_before_its_own_failed_check(world_size, waiting):
+    """The skipping rank's check fails first (its tensor was never summed), so its AssertionError used to be
+    the verdict and the doctor's finding never showed; now the finding leads and the assertion follows."""
+    with pytest.raises(AssertionError) as info:
+        run_distributed(_worker_leaves_out_a_collective, world_size, timeout_s=60)
+    lines = str(info.value).splitlines()
+    assert lines[0] == (f"rank 1 never entered all_reduce #1 (16 B) on WORLD that {waiting} waiting in: a collective "
+                        "only some ranks call (every rank of the group must call it, in the same order)"), lines
+    assert lines[1].startswith("rank 1 then raised AssertionError: rank 1: all_reduce gave [1.0, 1.0, 1.0, 1.0]"), lines

@@ -1,0 +1,74 @@
+"""A slow machine is said, never blamed: DISTLAB_TIMEOUT_SCALE multiplies every course deadline.
+
+On a machine its user knows to be slow, ``DISTLAB_TIMEOUT_SCALE=3`` gives every deadline three times as
+long: ``run_distributed``'s run deadline, hang delay and process-group timeout, the torchrun watchdog's,
+and pytest-timeout's limit of each test (whose end ``run_distributed`` also knows: a run waited for on a
+busy machine gives its verdict before pytest-timeout's bare stack dump). The busy-machine behaviour
+itself (a run still progressing is waited for, then called slow) is tests/test_busy_machine.py's.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distlab import doctor_watch
+from distlab.spawn import run_distributed
+
+
+def _worker_idle_then_all_reduce(rank, world_size, idle_s):
+    time.sleep(idle_s)  # a rank that makes no progress for idle_s: the doctor's and the deadline's business
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def test_the_scale_multiplies_the_run_deadline_and_the_hang_delay(monkeypatch):
+    """1.5 s without progress fails a run with timeout_s=1 (hang delay 0.5 s, deadline 1 s); with the
+    scale at 5 the same run has 2.5 s and 5 s, and passes."""
+    monkeypatch.setenv(doctor_watch.TIMEOUT_SCALE_ENV, "5")
+    assert run_distributed(_worker_idle_then_all_reduce, 2, 1.5, timeout_s=1) == [[2.0] * 3] * 2
+
+
+@pytest.mark.parametrize("setting", ["fast", "0", "-2"])
+def test_a_bad_scale_says_what_to_write(setting, monkeypatch):
+    monkeypatch.setenv(doctor_watch.TIMEOUT_SCALE_ENV, setting)
+    with pytest.raises(ValueError, match=rf"^DISTLAB_TIMEOUT_SCALE='{setting}' must be a number > 0 that multiplies "
+                                         r"every deadline \(e\.g\. DISTLAB_TIMEOUT_SCALE=3 on a slow machine\)$"):
+        run_distributed(_worker_idle_then_all_reduce, 1, 0.0, timeout_s=10)
+
+
+def test_the_scale_multiplies_the_torchrun_watchdogs_timeout(monkeypatch):
+    monkeypatch.setenv(doctor_watch.TIMEOUT_SCALE_ENV, "2")
+    assert doctor_watch.watchdog_timeout(None, 300) == 60.0  # 30 s unscaled (tests/test_busy_machine.py)
+    assert doctor_watch.watchdog_timeout("45", 300) == 90.0
+    assert doctor_watch.watchdog_timeout("0", 300) == 0.0  # off stays off
+
+
+def test_pytest_timeouts_go_through_the_scale_and_tell_the_runs_when_they_end(monkeypatch, request):
+    """This very test runs under distlab's pytest_timeout_set_timer: its end is in TEST_DEADLINE_ENV."""
+    import pytest_timeout
+
+    left = doctor_watch.test_time_left()
+    limit = pytest_timeout._get_item_settings(request.node).timeout
+    assert left is not None and 0 < left <= limit * doctor_watch.timeout_scale(), (left, limit)
+    monkeypatch.setenv(doctor_watch.TEST_DEADLINE_ENV, os.environ[doctor_watch.TEST_DEADLINE_ENV])  # restored after
+    monkeypatch.setenv(doctor_watch.TIMEOUT_SCALE_ENV, "3")
+
+    class Item:
+        nodeid = "a test"
+
+    item = Item()
+    settings = pytest_timeout.Settings(timeout=100, method="thread", func_only=False, disable_debugger_detection=False)
+    assert doctor_watch.set_test_timer(item, settings)
+    try:
+        assert 299 < doctor_watch.test_time_left() <= 300  # 100 s times 3
+        assert 289 < doctor_watch.hard_cap_s(60) <= 290, "the cap ends 10 s before pytest-timeout fires"
+        assert doctor_watch.hard_cap_s(20) == 200, "10x the deadline, within the test's time"
+        assert doctor_watch.hard_cap_s(400) == 400, "never before the deadline itself"
+    finally:
+        item.cancel_timeout()
+    assert doctor_watch.test_time_left() is None, "a run after the test would be capped by a stale deadline"
