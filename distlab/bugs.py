@@ -264,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", nargs="*", default=None, metavar="ID", help="run these bug ids")
     parser.add_argument("--list", action="store_true", help="list the catalogue and exit")
+    parser.add_argument("--timeout-s", type=float, default=240, help="per bug's pytest run (a busy machine: more)")
     parser.add_argument("--out", default=None, help=f"results JSON (default {RESULTS.relative_to(REPO)} for a "
                         "full run; none for --sample/--only)")
     args = parser.parse_args(argv)
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     start, rows = time.monotonic(), []
     for b in bugs:
         try:
-            row = run_bug(b)
+            row = run_bug(b, timeout_s=args.timeout_s)
         except ValueError as exc:  # a stale transform is reported, not run, and counts as not caught
             row = {"id": b.id, "exercise": b.exercise, "status": "stale", "message": str(exc)[:300],
                    "seconds": 0.0, "why": b.why}

@@ -165,13 +165,14 @@ def outside_edit_note(exercise: str, student_root) -> str | None:
         return None
     notes = []
     for solution in solutions:
-        mine = templates.template_path(solution, Path(student_root))
-        if not mine.is_file():
+        rel = templates.template_path(solution).relative_to(templates.REPO)  # the same place in the copy
+        mine = Path(student_root) / rel
+        try:
+            where = edited_outside_todos(mine.read_text(), templates.render(solution)) if mine.is_file() else []
+        except (OSError, UnicodeDecodeError, MarkerError):  # unreadable: the failure's own message stands alone
             continue
-        where = edited_outside_todos(mine.read_text(), templates.render(solution))
         if where:
-            rel = mine.relative_to(Path(student_root))
-            notes.append(f"{', '.join(where[:3])} in {rel}")
+            notes.append(f"{', '.join(where[:3])} in {rel.as_posix()}")
     if not notes:
         return None
     return (f"you edited {'; '.join(notes)} (not a TODO): restore the given code there, "

@@ -40,24 +40,29 @@ def _factor_hint(factor: float, tol: float) -> str:
             else "summed where a mean was due (never divided by W?), or counted twice?")
 
 
-def diagnose(actual: torch.Tensor, expected: torch.Tensor, subject: str = "it is") -> str:
+def diagnose(actual: torch.Tensor, expected: torch.Tensor, subject: str = "it is", noise=None) -> str:
     """A recognisable cause of a mismatch, or "": a constant factor (a missing or doubled
     division by W, a loss scale never divided out), a sign flip, all zeros, a non-finite value.
-    ``subject`` names what is compared ("the update ... is")."""
+    ``subject`` names what is compared ("the update ... is"); ``noise``: each element's rounding error, where it
+    is larger than the values' own (an update read as a difference of two parameters)."""
     a, e = actual.detach().double().flatten(), expected.detach().double().flatten()
     if not torch.isfinite(a).all():
         return "; it holds inf/nan: an overflow (fp16 without scaling?) or a division by zero"
+    # Constant up to both sides' rounding: 1e-3, or two ulps of the coarser dtype (each side rounded
+    # once: a bf16 sum against a bf16 mean differs from W by up to 2 * 2^-8 relative).
+    tol = max(1e-3, 2 * max(_eps(actual.dtype), _eps(expected.dtype)))
     significant = e.abs() > 1e-6 * max(e.abs().max().item(), 1e-30)
+    if noise is not None:  # elements whose rounding could move the ratio by more than tol say nothing
+        significant &= e.abs() * tol > noise.detach().double().flatten()
     if significant.sum() == 0:
         return ""
     if a.abs().max().item() == 0:
         return "; it is all zeros: the result was never written back (or gradients were zeroed after the reduce)"
     ratio = a[significant] / e[significant]
     factor = ratio.median().item()
-    # Constant up to both sides' rounding: 1e-3, or two ulps of the coarser dtype (each side rounded
-    # once: a bf16 sum against a bf16 mean differs from W by up to 2 * 2^-8 relative).
-    tol = max(1e-3, 2 * max(_eps(actual.dtype), _eps(expected.dtype)))
     if abs(factor - 1) > tol and (ratio - factor).abs().max().item() < tol * max(abs(factor), 1.0):
+        whole = [c for c in (round(factor), 1 / round(1 / factor) if round(1 / factor) else 0.0) if c]
+        factor = next((c for c in whole if abs(factor - c) <= tol * abs(c)), factor)  # 3.01 in bf16 is 3
         return f"; {subject} {factor:.2f}x the expected value everywhere: {_factor_hint(factor, tol)}"
     return ""
 
@@ -283,8 +288,9 @@ def assert_models_close(actual: nn.Module, expected: nn.Module, *, rank: int, st
         start = {name: s for (name, _), s in zip(actual.named_parameters(), start)}
     for name, p in actual.named_parameters():
         s0 = None if start is None else start.get(name)
-        explain = None if s0 is None else (lambda a, e, s0=s0: diagnose(
-            a - s0, e - s0, "the update (the parameter minus its value before the step) is"))
+        explain = None if s0 is None else (lambda a, e, s0=s0: diagnose(  # noise: the parameters' rounding
+            a - s0, e - s0, "the update (the parameter minus its value before the step) is",
+            noise=2 * _eps(e.dtype) * (s0.abs() + a.abs() + e.abs())))
         assert_tensors_close(p, exp_params[name], f"rank {rank}, step {step}, parameter {name}", rtol, atol,
                              baseline=baseline, explain=explain)
     if buffers:
