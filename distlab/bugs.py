@@ -232,7 +232,7 @@ def catalogue(path: Path = CATALOGUE) -> list[Bug]:
 _CONTROLS: dict[tuple[str, frozenset[str]], tuple[str, str]] = {}  # the unmutated copy's verdict, per run
 
 
-def run_bug(bug: Bug, *, timeout_s: float = 240) -> dict:
+def run_bug(bug: Bug, *, timeout_s: float = 240, control: bool = True) -> dict:
     start = time.monotonic()
     mutated = bug.mutated()
     finished = exercise_ids(bug.exercise) | set(bug.finished)
@@ -240,7 +240,9 @@ def run_bug(bug: Bug, *, timeout_s: float = 240) -> dict:
         copy = student_copy(Path(tmp), finished, {REPO / bug.file: mutated})
         results = run_exercises(copy, [bug.exercise], timeout_s=timeout_s, stop_first=True)[bug.exercise]
     status, message = verdict(results)
-    if status == "caught":
+    # Named: the bug's own first line matches its `expect` (None where the bug gives none).
+    named = bool(re.search(bug.expect, message)) and status == "caught" if bug.expect else None
+    if status == "caught" and control:
         # The control: the same copy without the bug must pass, or the failure is not the bug's.
         # Bugs of one exercise share it: it runs once per exercise and finished set.
         key = (bug.exercise, frozenset(finished))
@@ -252,8 +254,6 @@ def run_bug(bug: Bug, *, timeout_s: float = 240) -> dict:
         control_status, control_message = _CONTROLS[key]
         if control_status != "missed":
             status, message = "control failed", f"without the bug: {control_status}: {control_message}"
-    # Named: the first line matches the bug's `expect` (None where the bug gives none).
-    named = bool(re.search(bug.expect, message)) and status == "caught" if bug.expect else None
     return {"id": bug.id, "exercise": bug.exercise, "status": status, "message": message[:300], "named": named,
             "seconds": round(time.monotonic() - start, 1), "why": bug.why}
 
@@ -265,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=None, metavar="ID", help="run these bug ids")
     parser.add_argument("--list", action="store_true", help="list the catalogue and exit")
     parser.add_argument("--timeout-s", type=float, default=240, help="per bug's pytest run (a busy machine: more)")
+    parser.add_argument("--no-control", action="store_true", help="skip the unmutated copy's run (first lines only)")
     parser.add_argument("--out", default=None, help=f"results JSON (default {RESULTS.relative_to(REPO)} for a "
                         "full run; none for --sample/--only)")
     args = parser.parse_args(argv)
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     start, rows = time.monotonic(), []
     for b in bugs:
         try:
-            row = run_bug(b, timeout_s=args.timeout_s)
+            row = run_bug(b, timeout_s=args.timeout_s, control=not args.no_control)
         except ValueError as exc:  # a stale transform is reported, not run, and counts as not caught
             row = {"id": b.id, "exercise": b.exercise, "status": "stale", "message": str(exc)[:300],
                    "seconds": 0.0, "why": b.why}
