@@ -134,3 +134,37 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.peak = max(self.peak, self.held())
         return out
+
+
+FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "eye", "rand", "randn", "randint")
+
+
+class DefaultDeviceFactories:
+    """Records the torch factory calls made from ``path`` (the code under test's file) without
+    ``device=``: such a tensor lands on the default device (the CPU), not the parameters' (a GPU under
+    NCCL), whatever the parameters are on. ``*_like`` and ``new_*`` follow their input and are fine.
+    Patches module attributes (plain Python), so it sees calls made in autograd hooks too, where
+    torch-function modes are not applied."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.calls, self._saved = path, [], {}
+
+    def __enter__(self) -> "DefaultDeviceFactories":
+        import sys
+
+        for name in FACTORIES:
+            original = self._saved[name] = getattr(torch, name)
+
+            def factory(*args, _name=name, _original=original, **kwargs):
+                caller = sys._getframe(1)
+                if kwargs.get("device") is None and caller.f_code.co_filename == self.path:
+                    self.calls.append(f"torch.{_name}(...) at line {caller.f_lineno}")
+                return _original(*args, **kwargs)
+
+            setattr(torch, name, factory)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._saved.items():
+            setattr(torch, name, original)
+        self._saved.clear()

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from distlab import load
 from distlab.comm import CommLedger
+from distlab.host_sync import HostSyncMeter
 from distlab.spawn import run_distributed
 from distlab.models import GPTConfig, TiedFrozenModel, TinyGPT, ToyMLP, seeded
 from distlab.testing import (assert_at_most, assert_equal, assert_grads_close, assert_models_close,
@@ -185,15 +186,24 @@ def _worker_loss_scaler(rank, world_size):
                 _inject(ref_model, value)  # GradScaler sees what *some* rank saw
                 if bad_rank == "all" or rank == bad_rank % world_size:
                     _inject(ours_model, value)
+            meters = [HostSyncMeter(), HostSyncMeter()]  # counts what would make the CPU wait for a GPU
             if step % 2:  # both ways: explicit unscale_ then step, and step alone
                 ref.unscale_(ref_opt)
-                ours.unscale_(ours_opt)
+                with meters[0]:
+                    ours.unscale_(ours_opt)
             before = [p.detach().clone() for p in ours_model.parameters()]
             ref.step(ref_opt)
-            ours.step(ours_opt)
+            with meters[1]:
+                ours.step(ours_opt)
             ref.update()
             ours.update()
             what = f"rank {rank}, step {step}, {kwargs}"
+            # The stub's own rule: the verdict is read on the host once per step (GradScaler's one
+            # .item()), not once per gradient, on any device (the meter counts CPU tensors too).
+            syncs = len(meters[0].records) + len(meters[1].records)
+            assert_at_most(syncs, 1, f"{what}: {syncs} host syncs in unscale_() + step(); read the overflow "
+                           f"verdict on the host once per step:\n{meters[0].report()}\n{meters[1].report()}",
+                           baseline=False)  # a budget, not a value of the reference
             skipped = all(torch.equal(a, b) for a, b in zip(before, ours_model.parameters()))
             assert_equal(skipped, overflow is not None,
                          f"{what}: step {'skipped' if skipped else 'taken'}, expected "

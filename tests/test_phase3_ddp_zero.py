@@ -9,6 +9,7 @@ under test comes from ``load(...)``: the solutions by default, the templates wit
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from distlab.spawn import run_distributed
 from distlab.models import TiedFrozenModel, ToyMLP, seeded
 from distlab.testing import (assert_at_most, assert_equal, assert_grads_close, assert_models_close,
                              assert_ranks_identical, assert_tensors_close, max_abs_diff, shard)
-from property_checks import EventLog, LiveBytes, nbytes
+from property_checks import DefaultDeviceFactories, EventLog, LiveBytes, nbytes
 
 PHASE = "phase3_multi_node"
 WORLD_SIZES = [1, 2, 3, 4]
@@ -138,9 +139,15 @@ def _worker_ddp(rank, world_size, impl, kind, n_buckets_list, find_unused=False,
             # over from the previous step (a handle waited and divided again).
             opt.zero_grad(set_to_none=step % 2 == 0)
             ledger = CommLedger()
-            with ledger:
+            # 3.14's unused-parameter detection must run on NCCL: what it creates goes on the parameters'
+            # device (a factory without device= puts it on the CPU there).
+            factories = DefaultDeviceFactories(inspect.getsourcefile(type(ddp)))
+            with ledger, factories:
                 _loss(ddp(xs, **_use_b(kind, rank)), ys).backward()
                 ddp.finish_gradient_synchronization()
+            assert_equal(factories.calls, [], f"{what}: tensors made on the default device (the CPU under NCCL), "
+                         f"not the parameters': {factories.calls}; pass device= (e.g. a bucket's device)",
+                         baseline=False)  # the learner's own calls, none expected
             # Same shard, same bucketed sum: only the summation order of gloo may differ.
             assert_grads_close(model, builtin.module, rank=rank, step=f"{step} ({what}) vs torch DDP", **TOL)
             opt.step()
