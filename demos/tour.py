@@ -6,8 +6,9 @@ strategy: the final loss and the largest parameter difference from a single proc
 trained on the same global batches (exactness), throughput, payload bytes each rank
 sends per step (CommLedger.wire_bytes: collectives counted as ring algorithms send), the
 bytes of model state each rank holds (parameters + gradients + optimizer state: what
-ZeRO divides), and wall time. PNGs in runs/tour/: loss curves, bytes per step, state
-per rank, and the 1F1B pipeline timeline.
+ZeRO divides), and wall time. PNGs in runs/tour/: loss curves with each run's difference
+from its single process under them, bytes per step, state per rank (one column of panels
+per model trained), and the 1F1B pipeline timeline.
 
     ./entrypoint.sh                    # the full tour
     ./entrypoint.sh --quick            # the CI version
@@ -467,6 +468,30 @@ def run_strategy(name: str, rank: int, world_size: int, batches, hidden: int, mi
             "samples_per_step": run.samples_per_step or len(batches[0][1])}
 
 
+# Strategies that train a model of their own: each gets its own panel, beside its own single-process twin
+OWN_MODELS = {"cp": "TinyGPT, 128-token sequences", "ep": "MoE classifier, digits"}
+
+
+def by_model(results: dict[str, dict], key: str, hidden: int, world_size: int) -> dict[str, dict[str, object]]:
+    """``results[name][key]`` grouped by the model trained: the MLP's strategies, then each own model's.
+
+    ``key="losses"``: each group starts with its single-process run (the MLP's "single process", an own
+    model's twin from ``baseline``), as ``plots.loss_panels`` wants. Other keys: the strategies' values.
+    """
+    mlp = f"MLP 64-{hidden}x{2 * world_size}-10, digits"
+    groups: dict[str, dict[str, object]] = {mlp: {}}
+    for name, r in results.items():
+        family = STRATEGIES[name][0]
+        if family not in OWN_MODELS:
+            groups[mlp][name] = r[key]
+            continue
+        group = groups.setdefault(f"{OWN_MODELS[family]} ({name})", {})
+        if key == "losses" and r["baseline"]:
+            group["its single process"] = r["baseline"][0]
+        group[name] = r[key]
+    return {model: runs for model, runs in groups.items() if runs}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Every strategy on the same model and data, side by side.")
     parser.add_argument("--quick", action="store_true", help="a sub-minute version (fewer steps, smaller model)")
@@ -489,7 +514,7 @@ def resolve_args(args: argparse.Namespace, world_size: int) -> argparse.Namespac
 
 def main(argv: list[str] | None = None) -> dict:
     from distlab.launch import init_from_env, shutdown
-    from distlab.plots import plot_bars, plot_loss_curves, plot_timeline
+    from distlab.plots import bar_panels, loss_panels, plot_panels, plot_timeline
 
     args = build_parser().parse_args(argv)
     env = init_from_env()
@@ -525,14 +550,17 @@ def main(argv: list[str] | None = None) -> dict:
              "(TinyGPT on long sequences, an MoE classifier), compared with their own single-process twins.")
         if env.rank == 0:
             out = Path(args.out)
-            paths = [plot_loss_curves({n: r["losses"] for n, r in results.items()}, out / "loss_curves.png",
-                                      title=f"training loss, {W} ranks"),
-                     plot_bars({n: r["bytes_per_step"] for n, r in results.items()}, out / "bytes_per_step.png",
-                               "sent per step", title=f"bytes rank 0 sends per step (ring estimate), {W} ranks",
-                               unit="bytes"),
-                     plot_bars({n: r["state_bytes"] for n, r in results.items()}, out / "state_per_rank.png",
-                               "state per rank", title=f"params + grads + optimizer state on rank 0, {W} ranks",
-                               unit="bytes")]
+            # One column per model: the MLP's strategies together, context and expert parallelism beside
+            # their own twins (other models: their losses and bytes do not compare with the MLP's)
+            group = lambda key: by_model(results, key, hidden, W)  # noqa: E731
+            paths = [plot_panels(loss_panels(group("losses")), out / "loss_curves.png", rows_of=2,
+                                 title=f"training loss (top) and its difference from single process (bottom), {W} ranks"),
+                     plot_panels(bar_panels(group("bytes_per_step"), "sent per step", unit="bytes"),
+                                 out / "bytes_per_step.png",
+                                 title=f"bytes rank 0 sends per step (ring estimate), {W} ranks, per model"),
+                     plot_panels(bar_panels(group("state_bytes"), "state per rank", unit="bytes"),
+                                 out / "state_per_rank.png",
+                                 title=f"params + grads + optimizer state on rank 0, {W} ranks, per model")]
         timeline = results.get("pipeline 1F1B [phase 2]", {}).get("timeline")
         if timeline is not None:
             events = [None] * W

@@ -1,10 +1,14 @@
 """Plots that say more than a table: loss curves, pipeline timelines, bandwidth curves, bars.
 
 matplotlib with the Agg backend (no display needed); every function writes a PNG
-and returns its path.
+and returns its path. Figures of several panels are laid out first as ``Panel``s (title,
+axis labels, series) and then drawn, one axes per panel: tests read the layout, and the
+drawn figure (``figure_of``) has exactly those axes, lines and bars.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -45,6 +49,109 @@ def curve_styles(n: int) -> list[tuple[str, str]]:
     styles = ["-", "--", ":", "-."]
     return [("black", "-")] + [(colours[i % len(colours)], styles[(i // len(colours)) % len(styles)])
                                for i in range(n - 1)]
+
+
+@dataclass
+class Panel:
+    """One axes: ``series`` maps a label to its values (a line: one value per step; bars: one value each)."""
+
+    title: str
+    ylabel: str
+    series: dict[str, list[float]] = field(default_factory=dict)
+    kind: str = "line"  # "line" or "bars"
+    xlabel: str = "step"
+    yscale: str = "linear"  # "symlog": differences from a baseline, from 0 up across decades
+    linthresh: float = 1.0  # symlog's linear range around 0: below the smallest difference shown
+    unit: str | None = None  # bars: "bytes" scales the axis to KiB/MiB/GiB and writes each value on its bar
+
+
+def loss_panels(groups: Mapping[str, Mapping[str, Sequence[float]]]) -> list[Panel]:
+    """Per model (a column): its losses, and each run's difference from its single-process run.
+
+    Args:
+        groups: model -> {run name: losses per step}; the first run of each model is its single-process
+            baseline. Different models never share an axes: their losses are not comparable.
+    Runs that agree to 1e-6 lie under one line at the scale of a loss curve; the difference panel
+    (symlog: 0, then every decade up) tells them apart, and shows which run left the baseline when.
+    """
+    panels = []
+    for model, runs in groups.items():
+        (base_name, base), *others = runs.items()
+        panels.append(Panel(f"{model}: loss", "loss", {n: list(v) for n, v in runs.items()}))
+        diffs = {n: [a - b for a, b in zip(v, base)] for n, v in others}
+        tiny = [abs(d) for v in diffs.values() for d in v if d != 0]
+        # the linear range ends a decade below the smallest difference, so every non-zero one sits on a log decade
+        linthresh = 10.0 ** (math.floor(math.log10(min(tiny))) - 1) if tiny else 1e-8
+        panels.append(Panel(f"{model}: loss - {base_name}", f"loss - {base_name}", diffs, yscale="symlog",
+                            linthresh=linthresh))
+    return panels
+
+
+def bar_panels(groups: Mapping[str, Mapping[str, float]], ylabel: str, unit: str | None = None) -> list[Panel]:
+    """One bar panel per model: bars side by side only where they measure the same model."""
+    return [Panel(model, ylabel, {n: [float(v)] for n, v in values.items()}, kind="bars", xlabel="", unit=unit)
+            for model, values in groups.items()]
+
+
+def figure_of(panels: Sequence[Panel], title: str = "", ncols: int | None = None, rows_of: int = 1):
+    """The matplotlib figure of ``panels``: one axes each, in panel order, column by column in groups of
+    ``rows_of`` (``loss_panels``: 2, the loss above its difference). Returns the figure (not saved)."""
+    ncols = ncols or max(1, math.ceil(len(panels) / rows_of))
+    nrows = math.ceil(len(panels) / ncols)
+    widths = [max(1, max((len(p.series) for p in panels[c * rows_of:(c + 1) * rows_of]), default=1))
+              if panels and panels[0].kind == "bars" else 1 for c in range(ncols)]
+    fig, axes = plt.subplots(nrows, ncols, squeeze=False, gridspec_kw={"width_ratios": widths},
+                             figsize=(max(6.0, 4.2 * ncols if panels[0].kind == "line" else 0.7 * sum(widths) + 2),
+                                      3.2 * nrows + 0.8))
+    for i, panel in enumerate(panels):
+        ax = axes[i % rows_of + (i // (rows_of * ncols)) * rows_of][(i // rows_of) % ncols]
+        _draw_panel(ax, panel)
+    for ax in axes.flat[len(panels):]:
+        if not ax.has_data():
+            ax.set_visible(False)
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def _draw_panel(ax, panel: Panel) -> None:
+    if panel.kind == "bars":
+        names, values = list(panel.series), [v[0] for v in panel.series.values()]
+        labels = None
+        ylabel = panel.ylabel
+        if panel.unit == "bytes":
+            from distlab.metrics import format_bytes
+
+            scale, suffix = next(((2 ** p, s) for p, s in ((30, "GiB"), (20, "MiB"), (10, "KiB"))
+                                  if max(values, default=0) >= 2 ** p), (1, "B"))
+            labels = [format_bytes(v) for v in values]
+            values = [v / scale for v in values]
+            ylabel = f"{ylabel} ({suffix})"
+        bars = ax.bar(names, values, color="tab:blue")
+        if labels:
+            ax.bar_label(bars, labels=labels, fontsize=7)
+        ax.tick_params(axis="x", rotation=35)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
+        ax.set_ylabel(ylabel)
+    else:
+        styles = curve_styles(len(panel.series) + (panel.yscale == "symlog"))[panel.yscale == "symlog":]
+        for i, ((name, ys), (colour, style)) in enumerate(zip(panel.series.items(), styles)):
+            ax.plot(range(1, len(ys) + 1), ys, label=name, color=colour, linestyle=style,
+                    linewidth=2.2 if i == 0 and panel.yscale != "symlog" else 1.2)
+        if panel.yscale == "symlog":
+            ax.set_yscale("symlog", linthresh=panel.linthresh)
+            ax.axhline(0.0, color="black", linewidth=0.8)
+        ax.set_ylabel(panel.ylabel)
+        if panel.series:
+            ax.legend(fontsize=6)
+    ax.set_xlabel(panel.xlabel)
+    ax.set_title(panel.title, fontsize=9)
+
+
+def plot_panels(panels: Sequence[Panel], path: str | Path, title: str = "", rows_of: int = 1) -> Path:
+    """Draw ``panels`` (``figure_of``) and write the PNG."""
+    return _save(figure_of(panels, title, rows_of=rows_of), path)
 
 
 TIMELINE_KINDS = {  # kind -> (colour, legend entry)
