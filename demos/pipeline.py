@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from demos.sizes import at_least, multiple_of, positive
+from distlab import trace
 from distlab.comm import CommLedger
 from distlab.data import digits
 from distlab.launch import init_from_env, shutdown
@@ -119,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
                 events = [None] * p
                 dist.all_gather_object(events, stage.events)
                 bubbles.append(pp.measured_bubble([e for evs in events for e in evs], p))
+                # --trace: this stage's forwards, backwards and idle time (the bubble, by cause) as spans
+                trace.add_spans(trace.schedule_spans([e for evs in events for e in evs], stage.stage_id))
         all_events = [e for evs in events for e in evs]  # the last step's, from every stage
         peaks = [None] * p
         dist.all_gather_object(peaks, stage.peak_in_flight)
