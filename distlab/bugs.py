@@ -134,6 +134,33 @@ def student_copy(dest: Path, finished: set[str], mutations: dict[Path, str] | No
     return dest
 
 
+def outside_edit_note(exercise: str, student_root) -> str | None:
+    """The line that leads a failing test's message when the learner's module for ``exercise`` was edited
+    outside its TODO regions ("you edited train_step (not a TODO) ..."), or None. Compares the learner's
+    template with the one ``python -m distlab.templates`` generates from the solution."""
+    from distlab import templates
+    from distlab.regions import MarkerError, edited_outside_todos
+
+    try:
+        solutions = modules_of(exercise_ids(exercise))
+    except ValueError:  # not an exercise (the bench's own tests)
+        return None
+    notes = []
+    for solution in solutions:
+        rel = templates.template_path(solution).relative_to(templates.REPO)  # the same place in the copy
+        mine = Path(student_root) / rel
+        try:
+            where = edited_outside_todos(mine.read_text(), templates.render(solution)) if mine.is_file() else []
+        except (OSError, UnicodeDecodeError, MarkerError):  # unreadable: the failure's message stands alone
+            continue
+        if where:
+            notes.append(f"{', '.join(where[:3])} in {rel.as_posix()}")
+    if not notes:
+        return None
+    return (f"you edited {'; '.join(notes)} (not a TODO): restore the given code there, "
+            f"the failure may be that edit's")
+
+
 def exercise_test_files(exercises: list[str]) -> list[str]:
     phases = sorted({exercise_ids(e).pop().split(".")[0] for e in exercises})
     return [str(p) for ph in phases for p in sorted((REPO / "tests").glob(f"test_phase{ph}*.py"))]

@@ -152,7 +152,7 @@ def pytest_runtest_makereport(item, call):
             message = _first_line(call.excinfo) if call.excinfo else "failed"
             if call.excinfo is not None and not call.excinfo.errisinstance(LearnerTODO) \
                     and os.environ.get(IMPL_ENV) == "templates" and _exercise(item) != UNGRADED:
-                from distlab.regions import outside_edit_note  # given code edited: that leads the message
+                from distlab.bugs import outside_edit_note  # given code edited: that leads the message
 
                 if note := outside_edit_note(_exercise(item), os.environ.get(STUDENT_DIR_ENV) or REPO):
                     message, report.longrepr = f"{note}: {message}", _OneLine(f"{note}\n{report.longrepr}")

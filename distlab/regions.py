@@ -149,31 +149,3 @@ def edited_outside_todos(template_text: str, stub_text: str) -> list[str]:
         if name not in where:
             where.append(name)
     return where
-
-
-def outside_edit_note(exercise: str, student_root) -> str | None:
-    """The line that leads a failing test's message when the learner's module for ``exercise`` was edited
-    outside its TODO regions ("you edited train_step (not a TODO) ..."), or None. Compares the learner's
-    template with the one ``python -m distlab.templates`` generates from the solution."""
-    from pathlib import Path
-
-    from distlab import bugs, templates
-
-    try:
-        solutions = bugs.modules_of(bugs.exercise_ids(exercise))
-    except ValueError:  # not an exercise (the bench's own tests)
-        return None
-    notes = []
-    for solution in solutions:
-        rel = templates.template_path(solution).relative_to(templates.REPO)  # the same place in the copy
-        mine = Path(student_root) / rel
-        try:
-            where = edited_outside_todos(mine.read_text(), templates.render(solution)) if mine.is_file() else []
-        except (OSError, UnicodeDecodeError, MarkerError):  # unreadable: the failure's own message stands alone
-            continue
-        if where:
-            notes.append(f"{', '.join(where[:3])} in {rel.as_posix()}")
-    if not notes:
-        return None
-    return (f"you edited {'; '.join(notes)} (not a TODO): restore the given code there, "
-            f"the failure may be that edit's")

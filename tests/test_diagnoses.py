@@ -38,12 +38,12 @@ def test_an_edit_outside_the_todos_is_named_by_its_function(tmp_path):
     mine = tmp_path / "phase1_data_parallel" / "template_trainer.py"
     mine.parent.mkdir()
     mine.write_text(finished)
-    assert regions.outside_edit_note("1.6-1.8 naive data parallel", tmp_path) is None
+    assert bugs.outside_edit_note("1.6-1.8 naive data parallel", tmp_path) is None
     mine.write_text(seeded_bug)
-    note = regions.outside_edit_note("1.6-1.8 naive data parallel", tmp_path)
+    note = bugs.outside_edit_note("1.6-1.8 naive data parallel", tmp_path)
     assert note is not None and note.startswith(
         "you edited train_step in phase1_data_parallel/template_trainer.py (not a TODO): restore"), note
-    assert regions.outside_edit_note("bench", tmp_path) is None  # not an exercise
+    assert bugs.outside_edit_note("bench", tmp_path) is None  # not an exercise
 
 
 # --------------------------------------------------------------------------- backend errors
