@@ -144,6 +144,32 @@ def test_merge_at_large_logits_matches_float64_softmax(dtype):
 
 
 # --------------------------------------------------------------------------- 5.2-5.3 ring attention
+def _worker_ring_overlap(rank, world_size):
+    ring = load(PHASE, "ring_attention")
+    whole = _whole(UNEVEN_T)
+    layout = _layout(UNEVEN_T, world_size, "zigzag")
+    q, k, v = (t[:, :, layout[rank]].clone().requires_grad_() for t in whole[:3])
+    with OverlapLog(ring, ["block_attention", "block_attention_backward"]) as log:
+        log.mark("forward")
+        out = ring.ring_attention(q, k, v, layout)
+        log.mark("backward")
+        out.backward(whole[3][:, :, layout[rank]])
+    computes = sum(1 for e in log.events if e[0] == "compute")
+    assert_equal(computes, 2 * world_size, f"rank {rank} of {world_size}: {computes} block computations "
+                 f"(block_attention and block_attention_backward), expected {world_size} forward and {world_size} backward")
+    problems = log.overlap_violations()
+    assert_equal(problems, [], f"rank {rank} of {world_size}: the K/V transfers do not overlap the compute: "
+                 f"{'; '.join(problems)}")
+
+
+@pytest.mark.exercise("5.2-5.3 ring attention")
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ring_attention_posts_each_transfer_before_the_compute_it_overlaps(world_size):
+    """The order of calls, not the clock: step i+1's K/V is posted before step i's block is computed
+    and waited after it, forward and backward (a ring that waits first is correct and serial)."""
+    run_distributed(_worker_ring_overlap, world_size, backend="gloo")
+
+
 def _expected_ring_bytes(layout, rank: int, elem: int) -> tuple[int, int, int]:
     """(sent forward, sent in all, received in all) by ``rank``. Forward sends the K/V of W-1
     blocks (every block but rank+1's) and receives W-1 (every block but its own); backward
@@ -200,32 +226,6 @@ def _worker_ring(rank, world_size, device="cpu"):  # tests/test_gpu.py: "cuda" o
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_ring_attention_matches_single_process_sdpa(world_size):
     run_distributed(_worker_ring, world_size, backend="gloo")
-
-
-def _worker_ring_overlap(rank, world_size):
-    ring = load(PHASE, "ring_attention")
-    whole = _whole(UNEVEN_T)
-    layout = _layout(UNEVEN_T, world_size, "zigzag")
-    q, k, v = (t[:, :, layout[rank]].clone().requires_grad_() for t in whole[:3])
-    with OverlapLog(ring, ["block_attention", "block_attention_backward"]) as log:
-        log.mark("forward")
-        out = ring.ring_attention(q, k, v, layout)
-        log.mark("backward")
-        out.backward(whole[3][:, :, layout[rank]])
-    computes = sum(1 for e in log.events if e[0] == "compute")
-    assert_equal(computes, 2 * world_size, f"rank {rank} of {world_size}: {computes} block computations "
-                 f"(block_attention and block_attention_backward), expected {world_size} forward and {world_size} backward")
-    problems = log.overlap_violations()
-    assert_equal(problems, [], f"rank {rank} of {world_size}: the K/V transfers do not overlap the compute: "
-                 f"{'; '.join(problems)}")
-
-
-@pytest.mark.exercise("5.2-5.3 ring attention")
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_ring_attention_posts_each_transfer_before_the_compute_it_overlaps(world_size):
-    """The order of calls, not the clock: step i+1's K/V is posted before step i's block is computed
-    and waited after it, forward and backward (a ring that waits first is correct and serial)."""
-    run_distributed(_worker_ring_overlap, world_size, backend="gloo")
 
 
 # --------------------------------------------------------------------------- 5.4 Ulysses
