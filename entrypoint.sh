@@ -153,8 +153,10 @@ fi
 # Arguments for the mode: empty ones dropped (docker-compose passes RUN_ARGS="" as one), and
 # the checkpointing modes write to $CHECKPOINT_DIR (the compose/cluster shared volume) unless
 # the arguments name a directory themselves.
-# --trace DIR (any mode): every rank's communication and compute over time, merged into
-# DIR/trace.json for Perfetto (distlab/trace.py); the same as DISTLAB_TRACE=DIR.
+# --trace DIR (any mode): every rank's communication over time (and what the mode measured itself,
+# e.g. a pipeline stage's compute and idle time), merged into DIR/trace.json for Perfetto
+# (distlab/trace.py); the same as DISTLAB_TRACE=DIR. The run ends with one line: "trace: DIR/trace.json
+# (N ranks): open it in https://ui.perfetto.dev ...".
 mode_args=()
 while (( $# )); do
   case "$1" in

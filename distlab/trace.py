@@ -13,10 +13,12 @@ Open ``trace.json`` in https://ui.perfetto.dev (or chrome://tracing). One proces
 
 Time between those is left blank: the ledger saw no call there, so it cannot say whether the rank
 computed, loaded data or waited for its launcher (the first seconds of a run are imports and the
-rendezvous). Work a program measured itself goes on the rank's "measured" track through ``span``
+rendezvous). Work a program measured itself goes on the rank's "measured" track through ``add_spans``
 (``cat: compute``, or ``cat: idle`` for time spent waiting); a pipeline stage's schedule goes there
-through ``stage_spans``: its forwards and backwards, and its idle time (the bubble) as spans named
-by cause ("idle: waiting for activation", "idle: pipeline draining", ...).
+through ``schedule_spans`` (demos/pipeline.py): its forwards and backwards, and its idle time (the
+bubble) as spans named by cause ("idle: waiting for activation", "idle: pipeline draining", ...).
+
+The rank that completes a world's trace prints one line: where ``trace.json`` is and how to open it.
 
 An asynchronous op (``isend``, ``batch_isend_irecv``, ``all_reduce(async_op=True)``) is drawn
 on an "in flight" track of its rank, from the moment it was posted to the end of its wait; a send
