@@ -103,6 +103,16 @@ def _current(op):
     return getattr(c10d, kind) if kind else op  # not isend/irecv: torch's own check refuses it
 
 
+def _as_ours(p):
+    """``p``, or a copy of it (every field alike) that is our P2POp, when its ``op`` is not today's."""
+    if type(p) is P2POp or not isinstance(p, c10d.P2POp) or p.op is _current(p.op):
+        return p
+    ours = object.__new__(P2POp)
+    ours.__dict__.update(vars(p))
+    ours.op = p.op  # the property: the function c10d names now
+    return ours
+
+
 class Call:
     """One intercepted call as its observers see it: ``op``, the bound ``arguments``, and after it ``result``."""
 
@@ -274,9 +284,7 @@ def _run(op: str, target, hooks: tuple, args: tuple, kwargs: dict):
         return target(*args, **kwargs)  # torch raises its own error
     if op == "batch_isend_irecv" and isinstance(arguments.get("p2p_op_list"), list):
         # A P2POp made with torch's class holds the isend/irecv of its day; torch compares it with today's.
-        ops = [p if type(p) is P2POp or getattr(p, "op", None) is _current(getattr(p, "op", None)) else
-               P2POp(p.op, p.tensor, group=p.group, tag=p.tag, group_peer=p.group_peer)
-               for p in arguments["p2p_op_list"]]
+        ops = [_as_ours(p) for p in arguments["p2p_op_list"]]
         arguments["p2p_op_list"], args, kwargs = ops, (ops,), {}
     call = Call(op, arguments)
     _tls.busy = True
