@@ -138,14 +138,24 @@ def test_a_cheating_copy_scores_zero(tmp_path):
         results["per_test"]
 
 
-def test_every_graded_exercise_has_a_weight():
+def test_every_graded_exercise_is_in_the_manifest_with_points():
+    """Each exercise a graded test marks (by id or full name) is an entry of distlab/course.toml, and the
+    points the score uses are the manifest's (read here with tomllib), but where grading/weights.toml overrides them."""
+    import tomllib
+
+    from distlab.manifest import lookup
     from distlab.pytest_plugin import load_weights
 
     named = set()
     for f in REPO.glob("tests/test_phase*.py"):
         named |= set(re.findall(r'pytest\.mark\.exercise\("([^"]+)"\)', f.read_text()))
-    missing = sorted(named - set(load_weights()))
-    assert not missing, f"add these exercises to grading/weights.toml: {missing}"
+    missing = sorted(m for m in named if lookup(m) is None)
+    assert not missing, f"add these exercises to distlab/course.toml (CONTRIBUTING.md): {missing}"
+    manifest = {f"{e['id']} {e['title']}": float(e["points"])
+                for e in tomllib.loads((REPO / "distlab" / "course.toml").read_text())["exercise"]}
+    override = tomllib.loads((REPO / "grading" / "weights.toml").read_text()).get("weights", {})
+    expected = dict(manifest, **{lookup(k).name: float(v) for k, v in override.items()})
+    assert load_weights() == expected and all(v > 0 for v in expected.values())
 
 
 def test_scores_are_weighted_and_scaffold_tests_do_not_count():
