@@ -23,7 +23,7 @@ from distlab.lessons import sync
 from distlab.spawn import run_distributed
 from distlab.models import TiedFrozenModel, TinyCNN, ToyMLP, seeded
 from distlab.testing import (assert_at_most, assert_equal, assert_grads_close, assert_models_close,
-                             assert_ranks_identical, assert_tensors_close, given_prerequisites, shard)
+                             assert_ranks_identical, assert_tensors_close, explain_sum, given_prerequisites, shard)
 
 PHASE = "phase1_data_parallel"
 WORLD_SIZES = [1, 2, 3, 4]
@@ -60,12 +60,14 @@ def _worker_allreduce(rank, world_size, strategy):
                 ledger = CommLedger()
                 with ledger:
                     out = fn(mine, op=op)
-                what = f"rank {rank}, {strategy}, shape {shape}{' non-contiguous' if transposed else ''}, {dtype}, op {op}"
+                layout = " non-contiguous" if transposed else ""
+                what = f"rank {rank}, {strategy}, shape {shape}{layout}, {dtype}, op {op}"
                 assert out is mine, f"{what}: must work in place and return its argument"
                 # The summation order differs from the float64 reference and from gloo's,
                 # so allow rounding at the tensor's precision; a missing rank or a missing
                 # 1/W is off by whole units and fails.
-                assert_tensors_close(mine, expected.to(dtype), f"{what} vs single-process sum")
+                assert_tensors_close(mine, expected.to(dtype), f"{what} vs single-process sum",  # whose inputs it holds
+                                     explain=explain_sum(inputs, 1 / world_size if op == "avg" else 1.0))
                 assert_tensors_close(mine, builtin, f"{what} vs dist.all_reduce")
                 _check_volume(ledger, strategy, rank, world_size, mine.numel() * mine.element_size(), what)
                 # Every rank must end with bitwise the same tensor.
