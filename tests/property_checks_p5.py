@@ -182,3 +182,20 @@ class LoadLog:
 def fsdp_units(model: nn.Module) -> list[str]:
     """The qualified names of the modules that are FSDP2 units (``fully_shard`` applied), root as ""."""
     return [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
+class explain_wrong_group:
+    """Context manager: torch's "Number of tensor splits not equal to group size" (a collective called without
+    ``group=`` inside a subgroup, so on the world) re-raised as one line that names the fix."""
+
+    def __init__(self, group: dist.ProcessGroup, what: str) -> None:
+        self.group, self.what = group, what
+
+    def __enter__(self) -> "explain_wrong_group":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if not isinstance(exc, RuntimeError) or "not equal to group size" not in str(exc):
+            return False
+        raise AssertionError(f"{self.what}: {exc}: a collective ran on the world ({dist.get_world_size()} ranks) "
+                             f"instead of the {dist.get_world_size(self.group)}-rank group: pass group=group to it") from exc

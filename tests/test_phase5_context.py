@@ -19,7 +19,7 @@ from distlab.comm import CommLedger
 from distlab.spawn import run_distributed
 from distlab.testing import assert_equal, assert_tensors_close, explain_group_errors
 
-from property_checks_p5 import OverlapLog
+from property_checks_p5 import OverlapLog, explain_wrong_group
 
 PHASE = "phase5_large_models"
 WORLD_SIZES = [1, 2, 3, 4]
@@ -277,7 +277,7 @@ def _worker_ulysses_subgroup(rank, world_size):
     pos = parts[group_rank]
     what = f"global rank {rank} (rank {group_rank} of group {members}), Ulysses, {UNEVEN_T} tokens"
     q, k, v = (t[:, :, pos].clone().requires_grad_() for t in whole[:3])
-    with explain_group_errors(group, what):
+    with explain_group_errors(group, what), explain_wrong_group(group, what):
         out = ul.ulysses_attention(q, k, v, [len(p) for p in parts], group=group)
         out.backward(whole[3][:, :, pos])
     _compare_rows(what, pos, out, (q.grad, k.grad, v.grad), ref)
