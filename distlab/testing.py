@@ -24,14 +24,13 @@ def _eps(dtype: torch.dtype) -> float:
 
 def _factor_hint(factor: float, tol: float) -> str:
     """What a constant factor between a result and its baseline usually means."""
-    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    w = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     near = lambda x, y: abs(x - y) <= tol * max(abs(y), 1.0)  # noqa: E731
     if factor < 0:
         return "a sign flipped (subtracted where it should add?)"
-    if world_size and world_size > 1 and near(factor, world_size):
-        return "summed where a mean was due (never divided by W?), or counted twice?"
-    if world_size and world_size > 1 and near(factor, 1 / world_size):
-        return "averaged twice, or divided by W where a sum was due?"
+    if w > 1 and (near(factor, w) or near(factor, 1 / w)):
+        return ("summed where a mean was due (never divided by W?), or counted twice?" if factor > 1
+                else "averaged twice, or divided by W where a sum was due?")
     log2 = torch.log2(torch.tensor(factor, dtype=torch.float64)).item()
     if abs(log2) >= 3 and near(log2, round(log2)):  # 8x or more, a power of two: a loss scale's signature
         return ("a power of two: the loss scale never divided out (unscale_ must multiply by 1/S)?" if factor > 1
@@ -68,9 +67,9 @@ def diagnose(actual: torch.Tensor, expected: torch.Tensor, subject: str = "it is
 
 
 # --------------------------------------------------------------------------- tagged ring inputs
-# A ring's result is a sum (reduce-scatter) or a copy (all-gather) of chunks: tag chunk c of rank q with
-# 8**(q*W + c) and any result reads back, octal digit by digit, as which rank's which chunk it holds.
-_TAG_BASE = 8  # a chunk counted up to 7 times still reads back
+# Chunk c of rank q tagged 8**(q*W + c): a ring's sum or copy reads back, octal digit by digit, as which
+# rank's which chunk it holds (a chunk counted up to 7 times still reads back).
+_TAG_BASE = 8
 
 
 def ring_tagged(rank: int, numel: int, world_size: int) -> torch.Tensor:
@@ -87,7 +86,7 @@ def ring_tagged(rank: int, numel: int, world_size: int) -> torch.Tensor:
 
 def _read_tag(value: float, world_size: int) -> dict[tuple[int, int], int] | None:
     """{(rank, chunk): count} a tagged value is the sum of, or None when it is no sum of tags."""
-    if not (value >= 0 and value == int(value) and value < _TAG_BASE ** (world_size * world_size)):
+    if not (0 <= value < _TAG_BASE ** (world_size * world_size) and value == int(value)):
         return None
     counts, v = {}, int(value)
     for k in range(world_size * world_size):
@@ -98,10 +97,8 @@ def _read_tag(value: float, world_size: int) -> dict[tuple[int, int], int] | Non
 
 
 def _tags_text(counts: dict[tuple[int, int], int] | None) -> str:
-    if counts is None:
-        return "no sum of the ranks' chunks (garbage: never written?)"
     if not counts:
-        return "zeros (nothing arrived?)"
+        return "no sum of the ranks' chunks (garbage: never written?)" if counts is None else "zeros (nothing arrived?)"
     return " + ".join(f"{'' if n == 1 else f'{n} x '}rank {q}'s chunk {c}" for (q, c), n in sorted(counts.items()))
 
 
@@ -110,18 +107,14 @@ def explain_tags(world_size: int, chunks: list[tuple[int, int]]):
     (chunk index, size) pieces; the first wrong piece says what it holds and what was due, and why.
     Pass the result to ``assert_tensors_close(..., explain=...)``."""
     def explain(actual: torch.Tensor, expected: torch.Tensor) -> str:
-        if actual.numel() != sum(n for _, n in chunks):
+        sizes = [n for _, n in chunks]
+        if actual.numel() != sum(sizes):
             return ""
-        offset = 0
-        for chunk, n in chunks:
-            a, e = actual.reshape(-1)[offset:offset + n], expected.reshape(-1)[offset:offset + n]
-            offset += n
-            bad = (a.double() != e.double()).nonzero()
-            if not len(bad):
+        for (chunk, _), a, e in zip(chunks, actual.reshape(-1).split(sizes), expected.reshape(-1).split(sizes)):
+            if not len(bad := (a.double() != e.double()).nonzero()):
                 continue
-            i = bad[0].item()
-            got, due = _read_tag(a[i].item(), world_size), _read_tag(e[i].item(), world_size) or {}
-            if got is None or not got:
+            got, due = _read_tag(a[bad[0]].item(), world_size), _read_tag(e[bad[0]].item(), world_size) or {}
+            if not got:
                 hint = "a chunk never received or never written into place?"
             elif {c for _, c in got} != {c for _, c in due}:
                 hint = ("the wrong chunk: is the chunk index off by one, or are the ring's neighbours swapped "
@@ -136,6 +129,28 @@ def explain_tags(world_size: int, chunks: list[tuple[int, int]]):
 
 
 _GLOO_SIZE = re.compile(r"op\.preamble\.length <= op\.nbytes\. (\d+) vs (\d+)")
+
+
+def explain_sum(inputs: list[torch.Tensor], weight: float = 1.0):
+    """The diagnosis for a reduction of ``inputs`` (rank order; ``weight``: 1/W for a mean) that went wrong:
+    which ranks' inputs the result holds, read back by least squares ("rank 0's input alone")."""
+    def explain(actual: torch.Tensor, expected: torch.Tensor) -> str:
+        x = torch.stack([t.detach().double().reshape(-1) for t in inputs], 1) * weight
+        a = actual.detach().double().reshape(-1, 1)
+        if x.shape[0] <= x.shape[1] or not torch.isfinite(a).all():
+            return ""  # fewer elements than ranks: no unique reading
+        c = torch.linalg.lstsq(x, a).solution.flatten()
+        whole = c.round()  # whole inputs up to the dtype's rounding; every rank alike is diagnose()'s factor
+        if (c - whole).abs().max() > 1e-3 or (x @ whole - a.flatten()).abs().max() > 1e-3 * a.abs().max() \
+                or len(set(whole.tolist())) == 1 and whole[0] != 0:
+            return ""
+        n = whole.tolist()
+        held = " + ".join(f"{'' if k == 1 else f'{k:g} x '}rank {r}'s input" for r, k in enumerate(n) if k)
+        hint = ("one input, not the total, reached this rank (sent out an input where the reduced total was due?)"
+                if n.count(0) == len(n) - 1 and max(n) == 1 else "an input counted more than once, or negated?"
+                if max(n) > 1 or min(n) < 0 else f"rank(s) {[r for r, k in enumerate(n) if not k]}'s input is missing")
+        return f"; it holds {held or 'none of the inputs'}: {hint}"
+    return explain
 
 
 def translate_size_mismatch(text: str, rank: int | None = None, step: int | str | None = None) -> str | None:

@@ -16,7 +16,8 @@ import torch
 from distlab import bugs, outcome, regions, templates
 from distlab.models import ToyMLP, seeded
 from distlab.spawn import run_distributed
-from distlab.testing import assert_models_close, assert_tensors_close, diagnose, explain_tags, ring_tagged
+from distlab.testing import (assert_models_close, assert_tensors_close, diagnose, explain_sum, explain_tags,
+                             ring_tagged)
 
 TRAINER = bugs.REPO / "solutions" / "phase1_data_parallel" / "trainer.py"
 
@@ -176,3 +177,32 @@ def test_the_catalogue_expects_a_cause_for_twenty_mistakes(tmp_path):
     (tmp_path / "a.toml").write_text('[[expect]]\nid = "no-such-bug"\nexpect = "x"\n')
     with pytest.raises(ValueError, match=r"\[\[expect\]\] for bug ids not in .*: \['no-such-bug'\]"):
         bugs.catalogue(tmp_path)
+
+
+# --------------------------------------------------------------------------- whose inputs a sum holds
+def _worker_sum_of_inputs(rank, world_size, sources):
+    lines = {}
+    for bug_id, (strategy, source) in sources.items():
+        collectives = types.ModuleType(bug_id)
+        exec(compile(source, "collectives.py", "exec"), collectives.__dict__)
+        inputs = [torch.randn(7, generator=torch.Generator().manual_seed(100 + r), dtype=torch.float64)
+                  for r in range(world_size)]
+        mine = inputs[rank].clone()
+        getattr(collectives, strategy)(mine, op="sum")
+        try:
+            assert_tensors_close(mine, sum(inputs), f"rank {rank}, {bug_id}", explain=explain_sum(inputs))
+            lines[bug_id] = "no difference"
+        except AssertionError as exc:
+            lines[bug_id] = str(exc)
+    return lines
+
+
+def test_a_wrong_sum_names_whose_inputs_it_holds():
+    bugs_ = {"1.2-drops-rank0": "allreduce_allgather_sum", "1.3-scatters-own-data": "allreduce_gather_scatter"}
+    lines = run_distributed(_worker_sum_of_inputs, 3, {i: (s, _bug(i).mutated()) for i, s in bugs_.items()})[1]
+    assert lines["1.2-drops-rank0"].endswith("; it holds rank 1's input + rank 2's input: rank(s) [0]'s input is "
+                                             "missing"), lines
+    assert lines["1.3-scatters-own-data"].endswith("; it holds rank 0's input: one input, not the total, reached this "
+                                                   "rank (sent out an input where the reduced total was due?)"), lines
+    assert explain_sum([torch.ones(3)])(torch.zeros(3), torch.ones(3)).endswith("it holds none of the inputs: "
+                                                                                 "rank(s) [0]'s input is missing")
