@@ -235,9 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--root", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("status", parents=[common], help="every exercise, its state and points; a progress bar per phase")
-    sub.add_parser("next", parents=[common], help="the first unfinished exercise: TODO file:line, guideline, command")
+    sub.add_parser("next", parents=[common], help="what to work on (the smallest exercise of the first unfinished TODO): "
+                                                   "TODO file:line, guideline, command")
     p = sub.add_parser("check", parents=[common], help="run exactly that exercise's tests on your templates")
-    p.add_argument("id", help="an exercise (1.1-1.3) or one of its TODO ids (1.2)")
+    p.add_argument("id", help="an exercise (1.1-1.3), one of its TODO ids (1.2), or a range of exercises (3.1-3.3)")
     p.add_argument("--trace", type=Path, default=None, metavar="DIR",
                    help="write a Perfetto/Chrome trace of every world the tests start to DIR/trace.json")
     p.add_argument("--warm", action="store_true",
@@ -248,8 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("hint", parents=[common], help="the next hint you have not seen")
     p.add_argument("id")
     p.add_argument("--again", action="store_true", help="start from the first hint")
-    p = sub.add_parser("watch", parents=[common], help="re-check the current exercise whenever you save its template")
-    p.add_argument("id", nargs="?", default=None, help="default: the first unfinished exercise")
+    p = sub.add_parser("watch", parents=[common], help="re-check an exercise whenever you change its TODO regions")
+    p.add_argument("id", nargs="?", default=None, help="stay on this exercise (default: what `next` says, "
+                   "and the next one once it passes)")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between looks at the file")
     p.add_argument("--max-checks", type=int, default=None, help="stop after this many checks")
     p.add_argument("--cold", action="store_true", help="a new pytest for every check, not the warm launcher")
