@@ -24,6 +24,11 @@ def test_the_checkout_the_reference_and_the_cache_are_out_of_sight():
     present = sorted(str(p.relative_to("solutions").with_suffix("")) for p in Path("solutions").rglob("*.py")
                      if p.name != "__init__.py")
     assert present == sorted(_paths("DISTLAB_PROBE_BUILDING_BLOCKS")), present
+    # ... and of them, nothing of the reference of the jail's own exercise (jail.reference_for)
+    own = set(_paths("DISTLAB_PROBE_OWN_REGION_LINES"))
+    for path in Path("solutions").rglob("*.py"):
+        shown = own & {line.strip() for line in path.read_text().splitlines()}
+        assert not shown, f"{path} shows the jail's own exercise's reference: {sorted(shown)[:2]}"
     for name in ("solutions.phase1_data_parallel", "solutions.phase5_large_models"):
         try:
             assert importlib.util.find_spec(name) is None, f"{name} is importable from the jail"

@@ -39,6 +39,26 @@ def host_folder():
         folder.rmdir()
 
 
+OWN_EXERCISE = "3.15-3.18 ZeRO, the probes' exercise"  # its regions live in two building blocks (zero, fsdp)
+
+
+def _own_region_lines(ids: set[str]) -> list[str]:
+    """The code lines of the building blocks' regions of ``ids`` that appear nowhere else in those files."""
+    from distlab.regions import BEGIN, END
+
+    own, other = set(), set()
+    for block in jail.BUILDING_BLOCKS:
+        inside = None
+        for line in (REPO / "solutions" / f"{block}.py").read_text().splitlines():
+            if m := BEGIN.match(line):
+                inside = m["id"].rstrip("abcdefghijklmnopqrstuvwxyz")
+            elif END.match(line):
+                inside = None
+            else:
+                (own if inside in ids else other).add(line.strip())
+    return sorted(line for line in own - other if len(line) > 20 and not line.startswith("#"))
+
+
 @pytest.mark.venv  # .ci/venv_tier: again from a venv in /tmp (kept inside the jail) and as a user (a user namespace)
 def test_every_wall_holds_from_inside(tmp_path, monkeypatch, host_folder):
     student = tmp_path / "student"
@@ -50,12 +70,16 @@ def test_every_wall_holds_from_inside(tmp_path, monkeypatch, host_folder):
     monkeypatch.setenv("DISTLAB_PROBE_SECRET_OUTSIDE", "a token")
     hidden = [str(REPO / "solutions" / "phase1_data_parallel" / "collectives.py"), str(REPO / "grading" / "weights.toml"),
               str(REPO / "tests" / "test_phase1.py"), str(cache / "checks.pt"), str(student)]
+    own = _own_region_lines(jail.exercise_ids(OWN_EXERCISE))
+    assert len(own) >= 10, own  # the probe has something to look for in zero.py and fsdp.py
     env = {"DISTLAB_PROBE_HIDDEN": json.dumps(hidden), "DISTLAB_PROBE_BUILDING_BLOCKS": json.dumps(jail.BUILDING_BLOCKS),
+           "DISTLAB_PROBE_OWN_REGION_LINES": json.dumps(own),
            "DISTLAB_PROBE_WRITABLE_HOST": json.dumps([str(host_folder)] if host_folder else []),
            "DISTLAB_PROBE_UID": str(pwd.getpwnam("nobody").pw_uid) if os.geteuid() == 0 else ""}
     cell = jail.Jail(student)
     try:
-        outcomes = cell.run([f"tests/jail_probes.py::{name}" for name in PROBES], 240, log=lambda line: None, env=env)
+        outcomes = cell.run([f"tests/jail_probes.py::{name}" for name in PROBES], 240, log=lambda line: None, env=env,
+                            exercise=OWN_EXERCISE)
     finally:
         cell.close()
     failed = {name: o[3] for name, o in outcomes.items() if o[0] != "passed"}

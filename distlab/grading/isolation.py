@@ -231,7 +231,7 @@ def untouched_allowance(phase: str, name: str) -> tuple[frozenset, frozenset]:
     from distlab.templates import render
 
     solution = REPO / "solutions" / phase / f"{name}.py"
-    if not solution.is_file() and (REPO / ALLOWANCES).is_file():
+    if (REPO / ALLOWANCES).is_file():  # a jail: its few solutions lack their exercise's regions (jail.reference_for)
         imports, hatches = json.loads((REPO / ALLOWANCES).read_text())[f"{phase}/{name}"]
         return frozenset(tuple(i) for i in imports), frozenset(tuple(h) for h in hatches)
     imports, hatches = _findings(ast.parse(render(solution)))

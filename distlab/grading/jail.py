@@ -7,8 +7,9 @@ nested pytest, on a private copy of the bench:
 
 * the copy holds the bench (distlab/), the tests, the demos and configs, the phase folders with the
   student's templates over the untouched ones, and pyproject.toml; not the reference (solutions/, but for
-  the few modules graded tests still build on: ``BUILDING_BLOCKS``), not the grader's files (grading/), not
-  the reference cache (.distlab/), not .git;
+  the few modules graded tests still build on: ``BUILDING_BLOCKS``, and in an exercise's jail without that
+  exercise's own regions: :func:`reference_for`), not the grader's files (grading/), not the reference
+  cache (.distlab/), not .git;
 * inside, everything is read-only but the jail's own ``out/`` and ``work/`` (and a private ``/tmp``); the
   instructor's checkout, the reference cache, the student's folder and the grader's home are covered
   by empty file systems; the processes run as an unprivileged user (as root: ``DISTLAB_SANDBOX_USER``,
@@ -28,6 +29,7 @@ import io
 import json
 import os
 import pwd
+import re
 import shutil
 import stat
 import subprocess
@@ -45,11 +47,13 @@ COPIED = ("distlab", "tests", "demos", "configs", "pyproject.toml")  # and every
 # The reference modules graded tests still take building blocks from (load(..., impl="solutions"): 4.2's
 # tests write a file with the reference's 4.1, the fault-tolerance harness runs on the reference's
 # checkpoint and elastic modules, 2.x and 3.19 build on the reference's tensor parallel and FSDP), with what
-# they import. They are in the jail, so a submission can read them: the hole README's "What a submission
-# cannot do" names, until each has a bench copy as 1.6-1.8's and 4.4's have (distlab/lessons/).
+# they import. In an exercise's jail each comes without that exercise's own regions (reference_for): a
+# submission can read the reference of the other exercises of its lesson, never of its own (README's "What a
+# submission cannot do"), until each has a bench copy as 1.6-1.8's and 4.4's have (distlab/lessons/).
 BUILDING_BLOCKS = ("phase2_advanced/tensor_parallel", "phase2_advanced/tp_primitives", "phase3_multi_node/zero",
                    "phase3_multi_node/fsdp", "phase4_production/checkpoint", "phase4_production/elastic")
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", "cheats")
+_EXERCISE_IDS = re.compile(r"(\d+)\.(\d+)(?:-(\d+)\.(\d+))?(?:\s|$)")
 OUTCOME_LIMIT = 64 << 20  # bytes: one test's records (tensors included) are far smaller
 WALLS_DOWN = 97  # jail_enter.py's exit code when a wall could not be built
 
@@ -72,12 +76,17 @@ class Jail:
         self.identity = identity()
         self.hide, self.keep = hidden(self.student_dir, self.identity)
 
-    def run(self, nodeids: list[str], timeout_s: float, log=print, env: dict[str, str] | None = None) -> dict[str, tuple]:
+    def run(self, nodeids: list[str], timeout_s: float, log=print, env: dict[str, str] | None = None,
+            exercise: str = "") -> dict[str, tuple]:
         """Run ``nodeids`` (this checkout's node ids) in a fresh jail; each one's outcome (missing: it sent none).
-        ``env``: more variables for the jail's environment (the tests of the walls pass what they probe)."""
+        ``exercise``: the name the tests are marked with (``"3.15 ZeRO-1"``): its own regions are left out of
+        the reference's building blocks there. ``env``: more variables for the jail's environment (the tests
+        of the walls pass what they probe)."""
         self.runs += 1
         scratch = self.root / f"run{self.runs}"
         scratch.mkdir(mode=0o755)
+        reference = self.root / f"reference{self.runs}"  # beside the scratch, not in it: mounted read-only
+        reference_for(exercise, reference)
         (scratch / "copy").mkdir(mode=0o755)  # where the jail mounts the copy, read-only
         for name in ("out", "work"):
             (scratch / name).mkdir(mode=0o700)
@@ -87,7 +96,8 @@ class Jail:
         argv = [sys.executable, "-m", "pytest", *nodeids, "-p", "distlab.grading.report",
                 "--impl=templates", "-q", "-p", "no:cacheprovider", "--weights=/dev/null",
                 f"--basetemp={jail_path('work', 'pytest')}", "-o", "console_output_style=classic"]
-        spec = {"scratch": str(scratch.resolve()), "copy": str((self.root / "copy").resolve()), "hide": self.hide, "keep": self.keep,
+        spec = {"scratch": str(scratch.resolve()), "copy": str((self.root / "copy").resolve()),
+                "reference": str(reference.resolve()), "hide": self.hide, "keep": self.keep,
                 "user": self.identity.user, "argv": argv, "cwd": jail_path("copy"),
                 "env": {**jail_environment(self.identity), **(env or {})}}
         cmd = [*self.identity.unshare, sys.executable, "-I", str(Path(__file__).with_name("jail_enter.py")),
@@ -112,6 +122,7 @@ class Jail:
                     f"the test sent no outcome from the grading jail (it ended with exit code {proc.returncode}; "
                     f"its last line: {_last_line(output)})", output[-3000:])
         shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(reference, ignore_errors=True)
         return outcomes
 
     def nodeid(self, item) -> str:
@@ -157,18 +168,55 @@ def make_copy(student_dir: Path, dest: Path) -> None:
                 theirs = Path(student_dir) / phase.name / template.name
                 if theirs.is_file() and not theirs.is_symlink():
                     shutil.copy(theirs, dest / phase.name / template.name)
-    for block in BUILDING_BLOCKS:
-        phase = block.split("/")[0]
-        (dest / "solutions" / phase).mkdir(parents=True, exist_ok=True)
-        for init in (REPO / "solutions" / "__init__.py", REPO / "solutions" / phase / "__init__.py"):
-            shutil.copy(init, dest / init.relative_to(REPO))
-        shutil.copy(REPO / "solutions" / f"{block}.py", dest / "solutions" / f"{block}.py")
+    (dest / "solutions").mkdir()  # where each run's reference_for() is mounted
     # The lint (a teaching message, distlab/grading/isolation.py) compares a template with what its untouched
     # version and its solution import; the solutions stay out, so their imports come along as data.
     from distlab.grading import isolation
 
     (dest / isolation.ALLOWANCES).write_text(allowances())
     for path in [dest, *dest.rglob("*")]:  # readable by the jail's user, writable by nobody inside
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+
+
+def exercise_ids(exercise: str) -> set[str]:
+    """The TODO ids an exercise grades, from the id its name starts with: "3.15-3.18 ..." -> 3.15 ... 3.18."""
+    m = _EXERCISE_IDS.match(exercise.strip())
+    if not m:
+        return set()
+    return {f"{m[1]}.{i}" for i in range(int(m[2]), int(m[4] or m[2]) + 1)}
+
+
+def without_regions(text: str, ids: set[str]) -> str:
+    """``text`` (a solution) with each region of ``ids`` (3.15 covers 3.15a, 3.15b) replaced by a raise."""
+    from distlab.regions import BEGIN, END
+
+    out, skipping = [], False
+    for line in text.splitlines():
+        if skipping:
+            skipping = not END.match(line)
+            continue
+        m = BEGIN.match(line)
+        if m and m["id"].rstrip("abcdefghijklmnopqrstuvwxyz") in ids:
+            out.append(f'{m["indent"]}raise RuntimeError("TODO {m["id"]}: its reference is not in the grading jail of its '
+                       'own exercise; a test of that exercise must use the graded code (load() without impl)")')
+            skipping = True
+            continue
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def reference_for(exercise: str, dest: Path) -> None:
+    """The reference's building blocks for ``exercise``'s jail, in ``dest`` (mounted at the copy's solutions/):
+    each without the exercise's own regions, so its jail never holds the reference of what it teaches (the
+    tests of an exercise build on the other exercises' regions only: they are graded alone)."""
+    ids = exercise_ids(exercise)
+    for block in BUILDING_BLOCKS:
+        phase = block.split("/")[0]
+        (dest / phase).mkdir(parents=True, exist_ok=True)
+        for init in (REPO / "solutions" / "__init__.py", REPO / "solutions" / phase / "__init__.py"):
+            shutil.copy(init, dest / init.relative_to(REPO / "solutions"))
+        (dest / f"{block}.py").write_text(without_regions((REPO / "solutions" / f"{block}.py").read_text(), ids))
+    for path in [dest, *dest.rglob("*")]:
         os.chmod(path, 0o755 if path.is_dir() else 0o644)
 
 
@@ -328,7 +376,7 @@ def run_groups(items, student_dir: str, log=None) -> dict[str, tuple]:
         inside = {item.nodeid: jail.nodeid(item) for item in items}
         for name, group in groups.items():
             log(f"\njail: {name or 'the bench'}: {len(group)} test(s)")
-            got = jail.run([inside[item.nodeid] for item in group], _deadline(group), log)
+            got = jail.run([inside[item.nodeid] for item in group], _deadline(group), log, exercise=name)
             outcomes.update({item.nodeid: got[inside[item.nodeid]] for item in group})
     finally:
         jail.close()

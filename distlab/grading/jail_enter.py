@@ -14,7 +14,8 @@ In this order, before any learner code exists in the namespace:
    path that is still in sight: the instructor's checkout, the reference cache, the student's own folder,
    the grader's home;
 3. the jail's own folder is mounted at ``/tmp/sandbox``: ``copy/`` read-only (the private copy of the bench,
-   without the reference), ``out/`` and ``work/`` writable;
+   without the reference), ``out/`` and ``work/`` writable; ``copy/solutions/`` read-only: the reference's
+   building blocks without the exercise's own regions (jail.py's ``reference_for``);
 4. the interpreter's own folders, where a cover hid them (a venv in /tmp, pyenv under a 0700 /root, whose
    closed folder is covered too), are shown again, read-only, at their own paths;
 5. this process forks: the child drops to the jail's identity and runs the command; this one stays PID 1,
@@ -99,6 +100,7 @@ def build(spec: dict) -> None:
     # Hold the folders by descriptor now: the covers are about to hide where they live.
     scratch_fd = os.open(spec["scratch"], os.O_PATH | os.O_DIRECTORY)
     copy_fd = os.open(spec["copy"], os.O_PATH | os.O_DIRECTORY)
+    reference_fd = os.open(spec["reference"], os.O_PATH | os.O_DIRECTORY)
     kept = [(path, os.open(path, os.O_PATH | os.O_DIRECTORY)) for path in spec.get("keep", [])]
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here reaches the host's mounts
     read_only_everywhere()
@@ -118,7 +120,8 @@ def build(spec: dict) -> None:
         _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     bind(scratch_fd, INSIDE, read_only=False)
     bind(copy_fd, f"{INSIDE}/copy", read_only=True)
-    for fd in (scratch_fd, copy_fd, *(fd for _, fd in kept)):
+    bind(reference_fd, f"{INSIDE}/copy/solutions", read_only=True)
+    for fd in (scratch_fd, copy_fd, reference_fd, *(fd for _, fd in kept)):
         os.close(fd)
 
 
