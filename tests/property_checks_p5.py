@@ -197,5 +197,6 @@ class explain_wrong_group:
     def __exit__(self, kind, exc, tb) -> bool:
         if not isinstance(exc, RuntimeError) or "not equal to group size" not in str(exc):
             return False
+        size = dist.get_world_size(self.group)
         raise AssertionError(f"{self.what}: {exc}: a collective ran on the world ({dist.get_world_size()} ranks) "
-                             f"instead of the {dist.get_world_size(self.group)}-rank group: pass group=group to it") from exc
+                             f"instead of the {size}-rank group: pass group=group to it") from exc

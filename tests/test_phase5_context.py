@@ -156,7 +156,8 @@ def _worker_ring_overlap(rank, world_size):
         out.backward(whole[3][:, :, layout[rank]])
     computes = sum(1 for e in log.events if e[0] == "compute")
     assert_equal(computes, 2 * world_size, f"rank {rank} of {world_size}: {computes} block computations "
-                 f"(block_attention and block_attention_backward), expected {world_size} forward and {world_size} backward")
+                 f"(block_attention and block_attention_backward), expected {world_size} forward and "
+                 f"{world_size} backward")
     problems = log.overlap_violations()
     assert_equal(problems, [], f"rank {rank} of {world_size}: the K/V transfers do not overlap the compute: "
                  f"{'; '.join(problems)}")
