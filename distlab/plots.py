@@ -8,6 +8,7 @@ drawn figure (``figure_of``) has exactly those axes, lines and bars.
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
@@ -16,6 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def _save(fig, path: str | Path) -> Path:
@@ -77,20 +79,25 @@ def loss_panels(groups: Mapping[str, Mapping[str, Sequence[float]]]) -> list[Pan
     panels = []
     for model, runs in groups.items():
         (base_name, base), *others = runs.items()
-        panels.append(Panel(f"{model}: loss", "loss", {n: list(v) for n, v in runs.items()}))
+        panels.append(Panel(_wrap(f"{model}: loss"), "loss", {n: list(v) for n, v in runs.items()}))
         diffs = {n: [a - b for a, b in zip(v, base)] for n, v in others}
         tiny = [abs(d) for v in diffs.values() for d in v if d != 0]
         # the linear range ends a decade below the smallest difference, so every non-zero one sits on a log decade
         linthresh = 10.0 ** (math.floor(math.log10(min(tiny))) - 1) if tiny else 1e-8
-        panels.append(Panel(f"{model}: loss - {base_name}", f"loss - {base_name}", diffs, yscale="symlog",
+        panels.append(Panel(_wrap(f"{model}: loss - {base_name}"), f"loss - {base_name}", diffs, yscale="symlog",
                             linthresh=linthresh))
     return panels
 
 
 def bar_panels(groups: Mapping[str, Mapping[str, float]], ylabel: str, unit: str | None = None) -> list[Panel]:
     """One bar panel per model: bars side by side only where they measure the same model."""
-    return [Panel(model, ylabel, {n: [float(v)] for n, v in values.items()}, kind="bars", xlabel="", unit=unit)
+    return [Panel(_wrap(model, 30), ylabel, {n: [float(v)] for n, v in values.items()}, kind="bars", xlabel="", unit=unit)
             for model, values in groups.items()]
+
+
+def _wrap(title: str, width: int = 48) -> str:
+    """A panel title on lines of ``width`` characters: three columns of long titles do not run into each other."""
+    return "\n".join(textwrap.wrap(title, width))
 
 
 def figure_of(panels: Sequence[Panel], title: str = "", ncols: int | None = None, rows_of: int = 1):
@@ -98,7 +105,7 @@ def figure_of(panels: Sequence[Panel], title: str = "", ncols: int | None = None
     ``rows_of`` (``loss_panels``: 2, the loss above its difference). Returns the figure (not saved)."""
     ncols = ncols or max(1, math.ceil(len(panels) / rows_of))
     nrows = math.ceil(len(panels) / ncols)
-    widths = [max(1, max((len(p.series) for p in panels[c * rows_of:(c + 1) * rows_of]), default=1))
+    widths = [max(3, max((len(p.series) for p in panels[c * rows_of:(c + 1) * rows_of]), default=1))
               if panels and panels[0].kind == "bars" else 1 for c in range(ncols)]
     fig, axes = plt.subplots(nrows, ncols, squeeze=False, gridspec_kw={"width_ratios": widths},
                              figsize=(max(6.0, 4.2 * ncols if panels[0].kind == "line" else 0.7 * sum(widths) + 2),
@@ -139,6 +146,7 @@ def _draw_panel(ax, panel: Panel) -> None:
         for i, ((name, ys), (colour, style)) in enumerate(zip(panel.series.items(), styles)):
             ax.plot(range(1, len(ys) + 1), ys, label=name, color=colour, linestyle=style,
                     linewidth=2.2 if i == 0 and panel.yscale != "symlog" else 1.2)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps
         if panel.yscale == "symlog":
             ax.set_yscale("symlog", linthresh=panel.linthresh)
             ax.axhline(0.0, color="black", linewidth=0.8)
