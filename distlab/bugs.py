@@ -168,7 +168,10 @@ def exercise_test_files(exercises: list[str]) -> list[str]:
 
 def run_exercises(copy: Path, exercises: list[str], *, timeout_s: float = 120, stop_first: bool = False,
                   per_test_timeout_s: float = 60) -> dict[str, list[dict]]:
-    """Run ``exercises``' tests against the student copy; return exercise -> per-test results."""
+    """Run ``exercises``' tests against the student copy; return exercise -> per-test results (by full name)."""
+    from distlab.manifest import canonical
+
+    exercises = [canonical(e) for e in exercises]  # an id or a full name; the results use the full name
     with tempfile.TemporaryDirectory(prefix="distlab-bugs-out-") as out_dir:
         out = Path(out_dir) / "results.json"
         cmd = [sys.executable, "-m", "pytest", *exercise_test_files(exercises), "-q", "-p", "no:cacheprovider",
@@ -237,13 +240,15 @@ class Bug:
 def catalogue(path: Path = CATALOGUE) -> list[Bug]:
     """Every ``[[bug]]`` of ``path``'s *.toml files; an ``[[expect]]`` (id, expect) gives a bug of another file
     the regex its failure's first line must match (grading/bugs/diagnoses.toml)."""
+    from distlab.manifest import canonical  # a bug names its exercise by id or full name
+
     bugs, expects = [], {}
     for f in sorted(path.glob("*.toml")):
         data = tomllib.loads(f.read_text())
         expects.update({e["id"]: e["expect"] for e in data.get("expect", [])})
         for b in data.get("bug", []):
             edits = [(e["old"], e["new"]) for e in b.get("edit", [])] or [(b["old"], b["new"])]
-            bugs.append(Bug(b["id"], b["exercise"], b["file"], tuple(edits), b.get("why", ""),
+            bugs.append(Bug(b["id"], canonical(b["exercise"]), b["file"], tuple(edits), b.get("why", ""),
                             tuple(b.get("finished", ())), b.get("expect", "")))
             re.compile(bugs[-1].expect)  # a bad pattern fails here, not after minutes of runs
     ids = [b.id for b in bugs]

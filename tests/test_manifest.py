@@ -154,3 +154,10 @@ def test_dev_check_is_a_cockpit_command():
     proc = subprocess.run([sys.executable, "-m", "distlab", "dev", "check"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0 and "exercises, no problem" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_bug_of_the_catalogue_may_name_its_exercise_by_id(tmp_path: Path):
+    from distlab import bugs
+
+    (tmp_path / "p.toml").write_text('[[bug]]\nid = "x"\nexercise = "1.4-1.5"\nfile = "f.py"\nold = "a"\nnew = "b"\n')
+    assert [b.exercise for b in bugs.catalogue(tmp_path)] == ["1.4-1.5 distributed sampler"]
