@@ -55,6 +55,7 @@ GRADED = {
                                   "tp_primitives_match_single_process and not 3 and not 4"),
     "template_ring_allreduce.py": ("3.1 ring reduce-scatter", "ring_reduce_scatter_matches_builtin_and_single_process and 2"),
     "template_compression.py": ("4.8 fp16/bf16 compression", "cast_hooks_match_float64_mean and 2"),
+    "template_checkpoint.py": ("4.1 atomic checksummed save", "save_file_roundtrip_matches_torch_save"),
     "template_moe_primitives.py": ("5.5 differentiable all-to-all",
                                    "all_to_all_uneven_matches_hand_computed_blocks_and_transpose and 2"),
 }
@@ -92,7 +93,8 @@ ROUNDS = [
     # checkout, or forge the jail's outcome files; the checkout is out of sight and read-only, an outcome is data.
     {"plant_conftest_from_cpp": "unable to open file <tests/conftest.py> in read-write mode",
      "forge_outcome_files": "max abs diff",
-     "read_reference_by_path_spelling": "unable to open file <solutions/phase1_data_parallel/trainer.py> in read-only mode: No such file or directory"},
+     "read_reference_by_path_spelling": "unable to open file <solutions/phase1_data_parallel/trainer.py> in read-only mode: No such file or directory",
+     "import_own_reference_in_jail": "TODO 4.1: its reference is not in the grading jail of its own exercise"},
 ]
 
 
@@ -275,7 +277,7 @@ def test_the_os_walls_round_scores_zero_on_the_local_path_too(source, tmp_path):
         shutil.copy(path, copy / template.parent.name / path.name)
     graded = [GRADED[cheat_file(name).name] for name in round_]
     out = tmp_path / "results.json"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_phase1.py",
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_phase1.py", "tests/test_phase4.py",
                            "-k", " or ".join(f"({k})" for _, k in graded), "--impl=templates",
                            f"--student-dir={copy}", f"--results-json={out}"],
                           cwd=source, capture_output=True, text=True, timeout=600)
