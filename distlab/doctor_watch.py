@@ -116,10 +116,11 @@ def busy(waited_s: float, wall_s: float) -> bool:
         return False
 
 
-def slow_machine(ranks: list[int], waited_s: float) -> str:
-    """The one line for a run that was still progressing when its deadline's hard cap passed."""
+def slow_machine(ranks: list[int] | None, waited_s: float) -> str:
+    """The one line for a run (``ranks``; None: a job's processes) still progressing when its hard cap passed."""
+    who = f"ranks {ranks}" if ranks is not None else "its processes"
     return (f"slow machine ({machine_load()}), not your code: rerun (or set {TIMEOUT_SCALE_ENV}="
-            f"{max(2, 2 * timeout_scale()):g}); ranks {ranks} were still making progress after {waited_s:.0f} s")
+            f"{max(2, 2 * timeout_scale()):g}); {who} were still making progress after {waited_s:.0f} s")
 
 
 TEST_MARGIN_S = 10  # before pytest-timeout fires, for the run's own report to arrive (tests/test_timeouts.py's)

@@ -17,7 +17,6 @@ import random
 import re
 import shutil
 import subprocess
-import time
 import sys
 import warnings
 from dataclasses import replace
@@ -31,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distlab import load
-from distlab.procs import kill_process_tree, marked_environ
+from distlab.procs import Deadline, kill_process_tree, marked_environ
 from distlab.spawn import run_distributed
 from distlab.lessons import ckpt_files
 from distlab.testing import assert_at_most, assert_equal, assert_tensors_close, given_prerequisites
@@ -86,9 +85,12 @@ def _communicate_until_todo(procs: list[subprocess.Popen], timeout_s: float) -> 
     readers = [threading.Thread(target=read, args=(i, p), daemon=True) for i, p in enumerate(procs)]
     for r in readers:
         r.start()
-    deadline = time.monotonic() + timeout_s
+    deadline = Deadline([p.pid for p in procs], timeout_s)  # scaled, and waits for a job progressing on a busy machine
     while not todo_seen.is_set() and any(p.poll() is None for p in procs):
-        if time.monotonic() > deadline:
+        over = deadline.passed()
+        if over:
+            raise TimeoutError(over)  # "slow machine (...), not your code: rerun"
+        if over == "":
             raise subprocess.TimeoutExpired(procs[0].args, timeout_s)
         todo_seen.wait(0.05)
     if not todo_seen.is_set():

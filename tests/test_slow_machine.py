@@ -9,6 +9,10 @@ itself (a run still progressing is waited for, then called slow) is tests/test_b
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -17,6 +21,7 @@ import torch.distributed as dist
 
 from distlab import doctor_watch
 from distlab.spawn import run_distributed
+from tests.test_busy_machine import busy_core  # noqa: F401 (a fixture: two busy processes pinned to one core)
 
 
 def _worker_idle_then_all_reduce(rank, world_size, idle_s):
@@ -72,3 +77,33 @@ def test_pytest_timeouts_go_through_the_scale_and_tell_the_runs_when_they_end(mo
     finally:
         item.cancel_timeout()
     assert doctor_watch.test_time_left() is None, "a run after the test would be capped by a stale deadline"
+
+
+def _deadline_verdict(code: str, timeout_s: float) -> tuple[str, float]:
+    """What ``procs.Deadline`` says about a job running ``code`` (looked at every 50 ms, as a caller does)."""
+    from distlab.procs import Deadline, kill_process_tree
+
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline, start = Deadline([child.pid], timeout_s), time.monotonic()
+        while (over := deadline.passed()) is None:
+            threading.Event().wait(0.05)  # the caller's polling interval
+        return over, time.monotonic() - start
+    finally:
+        kill_process_tree(child.pid)
+        child.wait()
+
+
+def test_a_jobs_deadline_holds_for_a_job_that_makes_no_progress():
+    over, took = _deadline_verdict("import time\ntime.sleep(60)", 0.5)
+    assert over == "" and took < 3, (over, took)  # a plain timeout, at the deadline plus two looks (0.5 s apart)
+
+
+def test_a_jobs_deadline_waits_for_a_job_progressing_on_a_busy_machine_then_says_slow(busy_core, monkeypatch):
+    """torchrun jobs (phase 4's kill-and-resume) have their own deadline: it waits like run_distributed's."""
+    monkeypatch.setattr(doctor_watch, "HARD_CAP", 3)  # 3 s, not 10, to keep the test cheap
+    over, took = _deadline_verdict(f"import os\nos.sched_setaffinity(0, {{{busy_core}}})\nos.nice(19)\n"
+                                   "while True: pass", 1)
+    assert re.match(r"slow machine \(load \d+\.\d on \d+ cores?\), not your code: rerun \(or set "
+                    r"DISTLAB_TIMEOUT_SCALE=2\); its processes were still making progress after 3 s$", over), over
+    assert took < 5, took
