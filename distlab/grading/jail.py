@@ -93,7 +93,9 @@ class Jail:
             if self.identity.user:
                 os.chown(scratch / name, *self.identity.user)
         (scratch / "nodeids.json").write_text(json.dumps(nodeids))
-        argv = [sys.executable, "-m", "pytest", *nodeids, "-p", "distlab.grading.report",
+        # hypothesis's and pytest-benchmark's plugins: ~2 s of imports per jail, no graded test uses them
+        argv = [sys.executable, "-m", "pytest", *nodeids, "-p", "no:hypothesispytest", "-p", "no:benchmark",
+                "-p", "distlab.grading.report",
                 "--impl=templates", "-q", "-p", "no:cacheprovider", "--weights=/dev/null",
                 f"--basetemp={jail_path('work', 'pytest')}", "-o", "console_output_style=classic"]
         spec = {"scratch": str(scratch.resolve()), "copy": str((self.root / "copy").resolve()),
