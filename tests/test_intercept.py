@@ -112,7 +112,8 @@ def test_observers_see_each_call_once_in_the_declared_order():
         assert waits == [("all_reduce", 0)], f"rank {rank}: {waits}"
         # three all-reduces of ones over 2 ranks: 2 ** 3, exact in float (no reordered sum of non-integers)
         assert torch.equal(t, torch.full((3,), 8.0)), f"rank {rank}: {t}"
-        assert (all_reduces, calls) == (3, 4), f"rank {rank}: the ledger counted {all_reduces} all-reduces, {calls} calls"
+        assert (all_reduces, calls) == (3, 4), \
+            f"rank {rank}: the ledger counted {all_reduces} all-reduces, {calls} calls"
 
 
 def _worker_observer_calls_a_collective(rank, world_size):
