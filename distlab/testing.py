@@ -115,12 +115,12 @@ def explain_tags(world_size: int, chunks: list[tuple[int, int]]):
                 continue
             got, due = _read_tag(a[bad[0]].item(), world_size), _read_tag(e[bad[0]].item(), world_size) or {}
             if not got:
-                hint = "a chunk never received or never written into place?"
+                hint = "a chunk never received or written into place, or sent before it arrived (off-by-one chunk index?)"
             elif {c for _, c in got} != {c for _, c in due}:
                 hint = ("the wrong chunk: is the chunk index off by one, or are the ring's neighbours swapped "
                         "(send to rank+1, receive from rank-1)?")
             elif missing := sorted({q for q, _ in due} - {q for q, _ in got}):
-                hint = f"rank(s) {missing}'s part is missing: a ring step too few, or a received chunk not added?"
+                hint = f"rank(s) {missing}'s part is missing: a step too few, or added into another chunk (off-by-one index?)"
             else:
                 hint = "a part counted more than once: a received chunk added twice, or a ring step too many?"
             return f"; chunk {chunk} holds {_tags_text(got)}; expected {_tags_text(due)}: {hint}"
