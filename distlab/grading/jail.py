@@ -368,10 +368,12 @@ def run_groups(items, student_dir: str, log=None) -> dict[str, tuple]:
     """Each exercise's tests in a jail of their own (one exercise's code never shares a process with another's
     tests); the tests of no exercise (the bench's scaffold checks) in one more. Outcomes by node id."""
     log = log or (lambda line: print(line, flush=True))
+    from distlab.manifest import canonical
+
     groups: dict[str, list] = {}
-    for item in items:
+    for item in items:  # by the exercise's full name, however its marker spells it (id or name)
         marker = item.get_closest_marker("exercise")
-        groups.setdefault(marker.args[0] if marker else "", []).append(item)
+        groups.setdefault(canonical(marker.args[0]) if marker else "", []).append(item)
     jail = Jail(Path(student_dir))
     outcomes: dict[str, tuple] = {}
     try:
