@@ -95,7 +95,7 @@ def _check_volume(ledger: CommLedger, strategy: str, rank: int, world_size: int,
                      f"{what}: expected one gather and one scatter, saw {ops}")
 
 
-@pytest.mark.exercise("1.1-1.3 all-reduce three ways")
+@pytest.mark.exercise("1.1-1.3")
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_allreduce_matches_builtin_and_single_process(world_size, strategy):
@@ -114,13 +114,13 @@ def _worker_allreduce_group(rank, world_size, strategy):
         assert_tensors_close(t, torch.full((5,), 6.0), f"rank {rank}, {strategy} on group {members}", rtol=0, atol=0)
 
 
-@pytest.mark.exercise("1.1-1.3 all-reduce three ways")
+@pytest.mark.exercise("1.1-1.3")
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_allreduce_on_subgroup_matches_sum_of_members(strategy):
     run_distributed(_worker_allreduce_group, 4, strategy)
 
 
-@pytest.mark.exercise("1.1-1.3 all-reduce three ways")
+@pytest.mark.exercise("1.1-1.3")
 @pytest.mark.scaffold
 def test_allreduce_rejects_unknown_op():
     collectives = load(PHASE, "collectives")
@@ -130,7 +130,7 @@ def test_allreduce_rejects_unknown_op():
 
 
 # --------------------------------------------------------------------------- 1.4-1.5 sampler
-@pytest.mark.exercise("1.4-1.5 distributed sampler")
+@pytest.mark.exercise("1.4-1.5")
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_sampler_matches_torch_distributed_sampler(world_size):
     sampler_cls = load(PHASE, "data_loader").DistributedSampler
@@ -152,7 +152,7 @@ def test_sampler_matches_torch_distributed_sampler(world_size):
                             assert_equal(list(ours), list(theirs), f"{what}: {list(ours)} != torch's {list(theirs)}")
 
 
-@pytest.mark.exercise("1.4-1.5 distributed sampler")
+@pytest.mark.exercise("1.4-1.5")
 def test_sampler_shards_are_disjoint_and_cover_the_data():
     sampler_cls = load(PHASE, "data_loader").DistributedSampler
     data = list(range(12))
@@ -164,7 +164,7 @@ def test_sampler_shards_are_disjoint_and_cover_the_data():
     assert list(s) != first, "set_epoch must reshuffle"
 
 
-@pytest.mark.exercise("1.4-1.5 distributed sampler")
+@pytest.mark.exercise("1.4-1.5")
 @pytest.mark.scaffold
 def test_sampler_rejects_bad_rank():
     sampler_cls = load(PHASE, "data_loader").DistributedSampler
@@ -276,7 +276,7 @@ def _worker_naive_dp(rank, world_size, todo, kind, optim_name):
     assert_ranks_identical(model, step=STEPS)
 
 
-@pytest.mark.exercise("1.6-1.8 naive data parallel")
+@pytest.mark.exercise("1.6-1.8")
 @pytest.mark.parametrize("todo,kind,optim_name", NAIVE_DP_CASES)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_naive_dp_matches_single_process(world_size, todo, kind, optim_name):

@@ -102,7 +102,7 @@ def _worker_grad_accumulation(rank, world_size, kind):
         assert_ranks_identical(model.module, step=f"end, {what}")
 
 
-@pytest.mark.exercise("2.1-2.2 gradient accumulation")
+@pytest.mark.exercise("2.1-2.2")
 @pytest.mark.parametrize("kind", ["mlp", "tied_frozen_unused"])
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_grad_accumulation_matches_single_process_global_batch(world_size, kind):
@@ -125,13 +125,13 @@ def _worker_no_sync(rank, world_size):
     assert_grads_close(model.module, baseline, rank=rank, step="no_sync", rtol=0, atol=0)
 
 
-@pytest.mark.exercise("2.1-2.2 gradient accumulation")
+@pytest.mark.exercise("2.1-2.2")
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_no_sync_backward_matches_local_gradients(world_size):
     run_distributed(_worker_no_sync, world_size)
 
 
-@pytest.mark.exercise("2.1-2.2 gradient accumulation")
+@pytest.mark.exercise("2.1-2.2")
 @pytest.mark.scaffold
 def test_split_micro_batches_rejects_bad_sizes():
     acc = load(PHASE, "grad_accumulation")
@@ -214,13 +214,13 @@ def _worker_loss_scaler(rank, world_size):
             assert_models_close(ours_model, ref_model, rank=rank, step=step, rtol=0, atol=0, start=before)
 
 
-@pytest.mark.exercise("2.3-2.4 dynamic loss scaler")
+@pytest.mark.exercise("2.3-2.4")
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_loss_scaler_matches_torch_grad_scaler(world_size):
     run_distributed(_worker_loss_scaler, world_size)
 
 
-@pytest.mark.exercise("2.3-2.4 dynamic loss scaler")
+@pytest.mark.exercise("2.3-2.4")
 @pytest.mark.scaffold
 def test_loss_scaler_rejects_bad_config():
     mp = load(PHASE, "mixed_precision")
@@ -319,21 +319,21 @@ def _worker_mixed_precision_dp(rank, world_size, dtype_name, scaler_kind):
         assert_ranks_identical(model, step=f"end, {kind}, {dtype_name}")
 
 
-@pytest.mark.exercise("2.5 mixed-precision data parallel")
+@pytest.mark.exercise("2.5")
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_mixed_precision_dp_matches_single_process_autocast(world_size, dtype_name):
     run_distributed(_worker_mixed_precision_dp, world_size, dtype_name, "torch")
 
 
-@pytest.mark.exercise("2.3-2.5 mixed precision with our scaler")
+@pytest.mark.exercise("2.3-2.5")
 @pytest.mark.parametrize("world_size", [2])
 def test_mixed_precision_dp_with_our_scaler_matches_single_process_autocast(world_size):
     run_distributed(_worker_mixed_precision_dp, world_size, "float16", "ours")
 
 
 # --------------------------------------------------------------------------- a run that only skips
-@pytest.mark.exercise("2.3-2.4 dynamic loss scaler")
+@pytest.mark.exercise("2.3-2.4")
 def test_loss_scaler_stops_a_run_with_nan_inputs_naming_the_first_non_finite_gradient():
     """nan inputs make every gradient nan at any scale: fp16 used to skip every step and end at loss nan
     without a word. With the defaults the scaler warns once at 10 skips in a row (naming the scale)
@@ -388,7 +388,7 @@ def _worker_scaler_names_the_rank(rank, world_size):
     return step, None, [str(w.message) for w in caught]
 
 
-@pytest.mark.exercise("2.3-2.4 dynamic loss scaler")
+@pytest.mark.exercise("2.3-2.4")
 def test_loss_scaler_stop_names_the_rank_that_holds_the_non_finite_gradient():
     results = run_distributed(_worker_scaler_names_the_rank, 3)
     for rank, (step, error, warned) in enumerate(results):
@@ -402,7 +402,7 @@ def test_loss_scaler_stop_names_the_rank_that_holds_the_non_finite_gradient():
         assert_equal(got, expected, f"rank {rank}: warnings {warned}")
 
 
-@pytest.mark.exercise("2.3-2.4 dynamic loss scaler")
+@pytest.mark.exercise("2.3-2.4")
 @pytest.mark.scaffold
 def test_loss_scaler_rejects_bad_skip_bounds():
     mp = load(PHASE, "mixed_precision")
@@ -432,7 +432,7 @@ def _forward_backward(model: nn.Module, x, y, seed: int, autocast_dtype=None):
     return loss.detach(), torch.get_rng_state()
 
 
-@pytest.mark.exercise("2.6-2.7 activation checkpointing")
+@pytest.mark.exercise("2.6-2.7")
 @pytest.mark.parametrize("every", [1, 2])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_checkpointed_gradients_match_plain_backward(dropout, every):
@@ -459,7 +459,7 @@ def test_checkpointed_gradients_match_plain_backward(dropout, every):
         assert_grads_close(ckpt, plain, rank=0, step=what, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.exercise("2.6-2.7 activation checkpointing")
+@pytest.mark.exercise("2.6-2.7")
 def test_checkpointed_autocast_gradients_match_plain_backward():
     ac = load(PHASE, "activation_checkpointing")
     x, y = _gpt_batch()
@@ -475,7 +475,7 @@ def test_checkpointed_autocast_gradients_match_plain_backward():
     assert_grads_close(ckpt, plain, rank=0, step="bf16 autocast", rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.exercise("2.6-2.7 activation checkpointing")
+@pytest.mark.exercise("2.6-2.7")
 @pytest.mark.parametrize("every", [1, 2])
 def test_checkpointing_saves_less_activation_memory_than_plain(every):
     ac = load(PHASE, "activation_checkpointing")
@@ -510,7 +510,7 @@ def test_checkpointing_saves_less_activation_memory_than_plain(every):
     assert ckpt_meter.bytes < plain_meter.bytes
 
 
-@pytest.mark.exercise("2.6-2.7 activation checkpointing")
+@pytest.mark.exercise("2.6-2.7")
 @pytest.mark.scaffold
 def test_apply_activation_checkpointing_rejects_bad_every():
     ac = load(PHASE, "activation_checkpointing")

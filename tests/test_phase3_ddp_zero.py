@@ -177,19 +177,19 @@ def _worker_ddp_kinds(rank, world_size, impl, kinds, n_buckets_list, find_unused
         _worker_ddp(rank, world_size, impl, kind, n_buckets_list, find_unused and kind != "tied_frozen", device)
 
 
-@pytest.mark.exercise("3.10-3.11 DDP overlap per parameter")
+@pytest.mark.exercise("3.10-3.11")
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_ddp_overlap_matches_single_process_and_torch_ddp(world_size):
     run_distributed(_worker_ddp_kinds, world_size, "overlap", ["mlp", "tied_frozen"], [1])
 
 
-@pytest.mark.exercise("3.12-3.14 DDP buckets")
+@pytest.mark.exercise("3.12-3.14")
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_ddp_bucketed_matches_single_process_and_torch_ddp(world_size):
     run_distributed(_worker_ddp, world_size, "bucketed", "mlp", sorted(BUCKET_CAPS))
 
 
-@pytest.mark.exercise("3.12-3.14 DDP buckets")
+@pytest.mark.exercise("3.12-3.14")
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ddp_bucketed_tied_frozen_unused_matches_torch_ddp(world_size):
     # tied + frozen; a parameter no rank uses; a branch only even ranks use.
@@ -205,12 +205,12 @@ def _worker_unused_error(rank, world_size):
         _loss(ddp(x), y).backward()
 
 
-@pytest.mark.exercise("3.12-3.14 DDP buckets")
+@pytest.mark.exercise("3.12-3.14")
 def test_ddp_bucketed_unused_without_flag_raises_like_torch_ddp():
     run_distributed(_worker_unused_error, 1)
 
 
-@pytest.mark.exercise("3.12-3.14 DDP buckets")
+@pytest.mark.exercise("3.12-3.14")
 def test_bucket_assignment_matches_hand_computed_partition():
     assign = load(PHASE, "ddp_bucketed").assign_buckets
     params = list(_make("mlp", 0).parameters())[::-1]
@@ -247,12 +247,12 @@ def _worker_no_sync(rank, world_size, impl):
         assert_models_close(model, baseline, rank=rank, step=f"{step} ({impl}, no_sync accumulation)", **TOL)
 
 
-@pytest.mark.exercise("3.10-3.11 DDP overlap per parameter")
+@pytest.mark.exercise("3.10-3.11")
 def test_ddp_overlap_no_sync_accumulation_matches_single_process():
     run_distributed(_worker_no_sync, 2, "overlap")
 
 
-@pytest.mark.exercise("3.12-3.14 DDP buckets")
+@pytest.mark.exercise("3.12-3.14")
 def test_ddp_bucketed_no_sync_accumulation_matches_single_process():
     run_distributed(_worker_no_sync, 2, "bucketed")
 
@@ -403,19 +403,19 @@ def _check_zero(rank, world_size, stage, kind, device="cpu"):
         _check_zero_resume(rank, world_size, stage, kind, zo, model, device)
 
 
-@pytest.mark.exercise("3.15 ZeRO-1")
+@pytest.mark.exercise("3.15")
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_zero1_matches_single_process_and_zero_redundancy_optimizer(world_size):
     run_distributed(_worker_zero, world_size, 1)
 
 
-@pytest.mark.exercise("3.16 ZeRO-2")
+@pytest.mark.exercise("3.16")
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_zero2_matches_single_process(world_size):
     run_distributed(_worker_zero, world_size, 2)
 
 
-@pytest.mark.exercise("3.17-3.18 ZeRO-3")
+@pytest.mark.exercise("3.17-3.18")
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_zero3_matches_single_process(world_size):
     run_distributed(_worker_zero, world_size, 3)
@@ -443,7 +443,7 @@ def _worker_zero3_gpt(rank, world_size):
             assert_tensors_close(full[name], expected, f"rank {rank}, ZeRO-3 TinyGPT, step {step}, {name}", **TOL)
 
 
-@pytest.mark.exercise("3.17-3.18 ZeRO-3")
+@pytest.mark.exercise("3.17-3.18")
 def test_zero3_tinygpt_units_match_single_process():
     run_distributed(_worker_zero3_gpt, 2)
 
@@ -473,7 +473,7 @@ def _worker_zero3_unused(rank, world_size):
             _check_memory(fsdp, model, 3, rank, world_size, 8, what)  # no p.grad left behind either
 
 
-@pytest.mark.exercise("3.17-3.18 ZeRO-3")
+@pytest.mark.exercise("3.17-3.18")
 def test_zero3_unit_with_unused_parameters_matches_single_process():
     run_distributed(_worker_zero3_unused, 2)
 
@@ -519,7 +519,7 @@ def _worker_zero3_frees(rank, world_size):
     assert_at_most(peak, shards + 2 * max(sizes), msg, baseline=False)  # the bound: the wrapper's unit sizes
 
 
-@pytest.mark.exercise("3.17-3.18 ZeRO-3")
+@pytest.mark.exercise("3.17-3.18")
 def test_zero3_frees_each_unit_after_its_backward():
     run_distributed(_worker_zero3_frees, 2)
 
@@ -554,7 +554,7 @@ def _worker_zero3_blocking(rank, world_size):
                              rtol=0, atol=0, baseline=False)  # its own result on both sides
 
 
-@pytest.mark.exercise("3.17-3.18 ZeRO-3")
+@pytest.mark.exercise("3.17-3.18")
 def test_zero3_default_on_a_cpu_keeps_nothing_in_flight_and_matches_overlapped():
     run_distributed(_worker_zero3_blocking, 2)
 
@@ -586,7 +586,7 @@ def _worker_zero3_prefetch_overlaps(rank, world_size):
                        baseline=False)  # the count of units is the wrapper's own
 
 
-@pytest.mark.exercise("3.17-3.18 ZeRO-3")
+@pytest.mark.exercise("3.17-3.18")
 def test_zero3_overlapped_prefetch_is_in_flight_during_backward():
     run_distributed(_worker_zero3_prefetch_overlaps, 2)
 
@@ -616,7 +616,7 @@ def _worker_zero3_peak_order(rank, world_size):
                    "before creating u.grad_full", baseline=False)  # the unit size is the wrapper's own
 
 
-@pytest.mark.exercise("3.17-3.18 ZeRO-3")
+@pytest.mark.exercise("3.17-3.18")
 def test_zero3_frees_parameters_before_making_the_flat_gradient():
     run_distributed(_worker_zero3_peak_order, 2)
 
@@ -688,7 +688,7 @@ def _worker_zero3_bf16(rank, world_size):
                          baseline=False)
 
 
-@pytest.mark.exercise("3.17-3.18 ZeRO-3")
+@pytest.mark.exercise("3.17-3.18")
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_zero3_bf16_compute_matches_single_process_mixed_precision(world_size):
     run_distributed(_worker_zero3_bf16, world_size)
@@ -760,7 +760,7 @@ def _worker_zero3_torch_optimizers(rank, world_size):
                          baseline=False)  # expected from the wrapper's own fsdp.replicated
 
 
-@pytest.mark.exercise("3.17-3.18 ZeRO-3")
+@pytest.mark.exercise("3.17-3.18")
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_zero3_shards_are_parameters_and_torch_optimizers_match_single_process(world_size):
     run_distributed(_worker_zero3_torch_optimizers, world_size)
@@ -822,7 +822,7 @@ def _worker_zero3_checkpoint(rank, world_size):
                              rtol=0, atol=0, baseline=False)
 
 
-@pytest.mark.exercise("3.19 ZeRO-3 state dicts")
+@pytest.mark.exercise("3.19")
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_zero3_state_dict_round_trip_matches_uninterrupted_training(world_size):
     run_distributed(_worker_zero3_checkpoint, world_size)
@@ -904,7 +904,7 @@ def _worker_peaks(rank, world_size):
                 f"{what}, backward {i}: first reduce-scatter at gradient hook {h['first_launch_hook']} of {h['hooks']}"
 
 
-@pytest.mark.exercise("3.15-3.18 ZeRO accumulation, memory and overlap")
+@pytest.mark.exercise("3.15-3.18")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_zero_accumulation_peaks_and_overlap_match_textbook(world_size):
     run_distributed(_worker_peaks, world_size)
@@ -947,7 +947,7 @@ def _worker_bad_config(rank, world_size):
         fsdp(_make("mlp", 0)).step()
 
 
-@pytest.mark.exercise("3.15-3.19 ZeRO configuration")
+@pytest.mark.exercise("3.15-3.19")
 @pytest.mark.scaffold
 def test_zero_rejects_bad_configuration():
     run_distributed(_worker_bad_config, 1)

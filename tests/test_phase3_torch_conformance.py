@@ -308,12 +308,12 @@ def _check_ddp(contender: str, tmp: str, world_size: int = WORLD_SIZE) -> None:
                                  rtol=0, atol=0)
 
 
-@pytest.mark.exercise("3.10-3.11 DDP overlap per parameter")
+@pytest.mark.exercise("3.10-3.11")
 def test_course_ddp_overlap_in_a_torch_training_loop_matches_torch_ddp(tmp_path):
     _check_ddp("course_overlap", str(tmp_path))
 
 
-@pytest.mark.exercise("3.12-3.14 DDP buckets")
+@pytest.mark.exercise("3.12-3.14")
 def test_course_ddp_bucketed_in_a_torch_training_loop_matches_torch_ddp(tmp_path):
     _check_ddp("course_bucketed", str(tmp_path))
 
@@ -329,7 +329,7 @@ def _check_zero(stage: int, tmp: str, world_size: int = WORLD_SIZE, **tol) -> No
     _unused_untouched(ranks[0][f"course_zero{stage}"], f"ZeRO-{stage}")
 
 
-@pytest.mark.exercise("3.15 ZeRO-1")
+@pytest.mark.exercise("3.15")
 def test_course_zero1_in_a_torch_training_loop_matches_zero_redundancy_optimizer(tmp_path):
     # ZeRO-1 averages the accumulated gradient once, as DDP does, clips it with torch's function on
     # the averaged gradients, and AdamW is elementwise: flat chunks or whole tensors, the same
@@ -338,7 +338,7 @@ def test_course_zero1_in_a_torch_training_loop_matches_zero_redundancy_optimizer
     _check_zero(1, str(tmp_path))
 
 
-@pytest.mark.exercise("3.16 ZeRO-2")
+@pytest.mark.exercise("3.16")
 def test_course_zero2_in_a_torch_training_loop_matches_zero_redundancy_optimizer(tmp_path):
     # ZeRO-2 reduce-scatters each micro-batch (mean(g1) + mean(g2), not mean(g1 + g2)) and takes the
     # norm from per-chunk partial norms (torch: per-parameter norms): float32 rounding, measured at
@@ -402,12 +402,12 @@ def _worker_zero_state(rank: int, world_size: int) -> None:
     assert "zero" in zo.state_dict(), f"rank {rank}: after a step the consolidated state is stale, not returned"
 
 
-@pytest.mark.exercise("3.15 ZeRO-1")
+@pytest.mark.exercise("3.15")
 def test_zero_state_dict_carries_its_layout_refuses_a_foreign_shard_and_consolidates():
     run_distributed(_worker_zero_state, WORLD_SIZE)
 
 
-@pytest.mark.exercise("3.17-3.18 ZeRO-3")
+@pytest.mark.exercise("3.17-3.18")
 def test_course_fsdp_in_a_torch_training_loop_matches_fsdp2(tmp_path):
     # The clipping norm: FSDP2 all-reduces each parameter's local norm ** 2, the course each unit's
     # (flat chunks): measured at W=2 at most 1 float32 ulp apart (8.0e-8 relative), which moves the
@@ -469,7 +469,7 @@ def _worker_fsdp_state(rank: int, world_size: int, tmp: str) -> None:
                                  rtol=0, atol=0, baseline=False)
 
 
-@pytest.mark.exercise("3.19 ZeRO-3 state dicts")
+@pytest.mark.exercise("3.19")
 def test_fsdp_state_dict_has_torch_names_refuses_foreign_shards_and_rank0_full(tmp_path):
     run_distributed(_worker_fsdp_state, WORLD_SIZE, str(tmp_path))
 

@@ -176,7 +176,7 @@ def _worker_offload(rank, world_size, config_path):
                  f"rank {rank}: capstone's ZeroOptimizer {got}")
 
 
-@pytest.mark.exercise("3.15-3.18 ZeRO accumulation, memory and overlap")
+@pytest.mark.exercise("3.15-3.18")
 def test_zero_offload_matches_no_offload_and_single_process(tmp_path):
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 65536}}

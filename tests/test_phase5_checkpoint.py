@@ -144,14 +144,14 @@ def _worker_load(rank, world_size, tmp, formats):
                                      "unsharded state", rtol=0, atol=0, baseline=False)
 
 
-@pytest.mark.exercise("5.11-5.12 sharded save and resharding load")
+@pytest.mark.exercise("5.11-5.12")
 @pytest.mark.parametrize("saved_at,loaded_at", [(2, 1), (2, 3), (4, 2)])
 def test_sharded_checkpoint_reshards_bit_exact_like_dcp(saved_at, loaded_at, tmp_path):
     run_distributed(_worker_save, saved_at, str(tmp_path), False)
     run_distributed(_worker_load, loaded_at, str(tmp_path), ["ours", "dcp"])
 
 
-@pytest.mark.exercise("5.13 async save")
+@pytest.mark.exercise("5.13")
 def test_async_save_overlaps_steps_and_keeps_the_snapshot(tmp_path):
     run_distributed(_worker_save, 2, str(tmp_path), True)
     run_distributed(_worker_load, 3, str(tmp_path), ["ours"])
@@ -179,6 +179,6 @@ def _worker_async_failure(rank, world_size, tmp):
         "lost; record the thread's exception in `errors` (wait() re-raises it)"))
 
 
-@pytest.mark.exercise("5.13 async save")
+@pytest.mark.exercise("5.13")
 def test_async_save_failure_on_one_rank_surfaces_in_its_wait(tmp_path):
     run_distributed(_worker_async_failure, 2, str(tmp_path))

@@ -101,14 +101,14 @@ def _worker_all_to_all(rank, world_size):
                  f"got {ledger.summary()}")
 
 
-@pytest.mark.exercise("5.5 differentiable all-to-all")
+@pytest.mark.exercise("5.5")
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_all_to_all_uneven_matches_hand_computed_blocks_and_transpose(world_size):
     run_distributed(_worker_all_to_all, world_size)
 
 
 # --------------------------------------------------------------------------- 5.6 capacity
-@pytest.mark.exercise("5.6 capacity and token dropping")
+@pytest.mark.exercise("5.6")
 def test_capacity_keep_matches_global_priority_loop():
     moe = load(PHASE, "moe")
     for world_size in WORLD_SIZES:  # no communication: the ranks are simulated in one process
@@ -190,7 +190,7 @@ def _worker_moe(rank, world_size, device="cpu"):  # tests/test_gpu.py: "cuda" on
                                     f"({kept_here} pairs sent, {received} received, {row} B per row)")
 
 
-@pytest.mark.exercise("5.6-5.8 expert-parallel MoE layer")
+@pytest.mark.exercise("5.6-5.8")
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_expert_parallel_moe_matches_single_process(world_size):
     run_distributed(_worker_moe, world_size)

@@ -118,7 +118,7 @@ def _worker_tp_plan(rank, world_size):
                      f"expected a 1/{world_size} row shard")
 
 
-@pytest.mark.exercise("5.9 tensor-parallel plan for TinyGPT")
+@pytest.mark.exercise("5.9")
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_tp_plan_matches_single_process_and_phase2_volumes(world_size):
     run_distributed(_worker_tp_plan, world_size)
@@ -160,7 +160,7 @@ def _worker_2d(rank, world_size, tp_size, sp):
                  f"{what}: fc.weight holds {tuple(local.shape)} locally, expected {expected}")
 
 
-@pytest.mark.exercise("5.9-5.10 2D mesh: tensor parallel x FSDP2")  # uses the 5.9 plan
+@pytest.mark.exercise("5.9-5.10")  # uses the 5.9 plan
 @pytest.mark.parametrize("world_size,tp_size,sp", [(2, 1, False), (4, 2, True)])
 def test_2d_mesh_matches_single_process(world_size, tp_size, sp):
     run_distributed(_worker_2d, world_size, tp_size, sp)
@@ -229,7 +229,7 @@ def _worker_zero3_vs_fsdp2(rank, world_size):
     assert max_abs_diff(torch_out, torch_model(xs).detach()) > 1e-6, f"rank {rank}: the last step changed nothing"
 
 
-@pytest.mark.exercise("3.17-3.18 ZeRO-3")
+@pytest.mark.exercise("3.17-3.18")
 @pytest.mark.parametrize("world_size", [2, 3])  # W=1: FSDP2 skips its collectives, ours does not
 def test_course_zero3_and_fully_shard_match_single_process_and_move_the_same_bytes(world_size):
     run_distributed(_worker_zero3_vs_fsdp2, world_size)
