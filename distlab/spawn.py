@@ -28,8 +28,9 @@ one launcher every test and demo uses, and it keeps the promises a course needs:
   for a CPU (a busy machine) is waited for, up to ``doctor_watch.HARD_CAP`` times the deadline (and
   within the test's pytest-timeout); past that it fails with "slow machine (load N on K cores), not
   your code: rerun" and names nobody. ``DISTLAB_TIMEOUT_SCALE`` multiplies every deadline here;
-* says who skipped a collective: when a rank raises while others wait in a collective it never
-  entered, the first line says so, and the rank's own error follows.
+* says who skipped a collective: when a rank's check fails (an AssertionError) while others wait in a
+  collective it never entered, the first line says so, and the failed check follows; any other error a
+  rank raises is the cause and stays the verdict.
 
 Inside a test, a learner's ``dist.all_reduce`` runs wrapped: the hang doctor records each op
 (``distlab.doctor``), a ``CommLedger`` counts its bytes where the test opens one
@@ -376,7 +377,9 @@ def _collect(procs, readers, timeout_s: float, watch: _Watch) -> list[Any]:
             hang = watch.diagnosis(watch.records(), finished, "hang" if "signal 6" not in str(first) else "mismatch")
             if hang is not None:
                 raise hang from first
-        if first_rank in raw and not raw[first_rank][5]:  # its own error, not a TODO: did it skip a collective?
+        # A failed check (not a TODO, not an error its code raised on purpose, which is the cause itself): the
+        # symptom of a collective it skipped?
+        if first_rank in raw and not raw[first_rank][5] and raw[first_rank][2].rsplit(".", 1)[-1] == "AssertionError":
             settle = time.monotonic() + min(2.0, max(watch.hang_s, 1.0))  # for the others to enter the one it skipped
             while pending and time.monotonic() < settle and not all(_pending(watch.records()[r]) for r in pending):
                 hear(0.1)

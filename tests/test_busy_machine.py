@@ -77,6 +77,7 @@ def test_an_unfinished_todo_on_a_descheduled_rank_is_reported_as_the_todo(busy_c
         run_distributed(_worker_slow_rank_then, 2, busy_core, "todo", timeout_s=120, hang_s=1)
 
 
+@pytest.mark.e2e  # 7-15 s: in the end-to-end tier, which .ci/run runs after the main suite
 def test_a_run_still_progressing_at_its_deadline_on_a_busy_machine_is_waited_for(busy_core, monkeypatch):
     """The reference solution failed "did not finish within 60 s" beside 8 busy processes on 2 cores,
     naming a "culprit" whose op was 0.4 s old. A run whose ranks progress on a machine that makes them
@@ -91,6 +92,7 @@ def test_a_run_still_progressing_at_its_deadline_on_a_busy_machine_is_waited_for
     assert took > 1.0, f"rank 1 took {took:.2f} s, within the 1 s deadline: the machine was not busy enough"
 
 
+@pytest.mark.e2e  # 7-15 s: in the end-to-end tier, which .ci/run runs after the main suite
 def test_a_run_still_progressing_at_the_hard_cap_is_said_slow_and_blames_nobody(busy_core, monkeypatch):
     from distlab import doctor_watch
 

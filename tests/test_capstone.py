@@ -60,6 +60,7 @@ def test_capstone_trains_and_checkpoints_with_each_strategy(strategy, tmp_path):
         assert load("phase4_production", "checkpoint").CheckpointManager(tmp_path).latest().step == 6
 
 
+@pytest.mark.e2e  # 7-15 s: in the end-to-end tier, which .ci/run runs after the main suite
 def test_capstone_resume_is_bit_identical_and_elastic(uninterrupted, tmp_path):
     """Uninterrupted 6 steps == stop at step 4 and resume; resuming on 1 rank instead of 2 is close."""
     straight, resumed, elastic = uninterrupted, tmp_path / "resumed", tmp_path / "elastic"

@@ -418,7 +418,7 @@ def test_the_warm_server_survives_a_client_gone_an_empty_and_a_garbled_connectio
     server.bind(str(path))
     server.listen()
     server.settimeout(60)
-    thread = threading.Thread(target=warm.serve, args=(server, 1.0, fake_pytest), daemon=True)
+    thread = threading.Thread(target=warm.answer_checks, args=(server, 1.0, fake_pytest), daemon=True)
     thread.start()
     try:
         for payload in (b"", b"not json\n", b'{"no": "op"}\n', b"[1, 2]\n"):

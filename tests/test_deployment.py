@@ -344,6 +344,7 @@ def test_terraform_files_parse_and_every_variable_is_declared():
     assert 'strategy = "cluster"' in main, "nodes of one job belong in one cluster placement group"
 
 
+@pytest.mark.e2e  # 7-15 s: in the end-to-end tier, which .ci/run runs after the main suite
 def test_terraform_startup_script_runs_two_nodes_on_loopback(tmp_path):
     """The rendered user data of node 0 and node 1, in dry-run mode, rendezvous and run a mode."""
     template = (TERRAFORM / "startup.sh.tftpl").read_text()

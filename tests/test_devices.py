@@ -455,8 +455,10 @@ def _fake_plots_and_digits() -> None:
     lists of floats) and scikit-learn (digits' pixel values; ``distlab.data.digits`` still makes the
     tensors, same shapes, here)."""
     plots = types.ModuleType("distlab.plots")
-    for name in ("plot_loss_curves", "plot_timeline", "plot_bandwidth", "plot_bars"):
+    for name in ("plot_loss_curves", "plot_timeline", "plot_bandwidth", "plot_bars", "plot_panels"):
         setattr(plots, name, lambda *args, **kwargs: Path(str(args[1] if len(args) > 1 else kwargs.get("path"))))
+    for name in ("loss_panels", "bar_panels"):  # what a figure lays out: no panels, nothing drawn
+        setattr(plots, name, lambda *args, **kwargs: [])
     sys.modules["distlab.plots"] = plots
     datasets = types.ModuleType("sklearn.datasets")
     g = torch.Generator().manual_seed(0)

@@ -248,6 +248,7 @@ def test_init_from_env_refuses_a_wrong_interface_name_before_the_store(monkeypat
         init_from_env(timeout_s=2)
 
 
+@pytest.mark.e2e  # 7-15 s: in the end-to-end tier, which .ci/run runs after the main suite
 def test_a_two_node_start_on_loopback_gives_no_node_rank_warning():
     """torchrun warns "node_rank is only used for static rdzv_backend" on every c10d node but node 0."""
     port, marker = str(free_port()), os.urandom(8).hex()

@@ -185,12 +185,12 @@ def serve_checks(path: Path, repo: Path) -> None:
             print("ready", flush=True)
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)  # the starter reads one line; nothing more goes there
-            serve(server, stamp, _pytest_in_child)
+            answer_checks(server, stamp, _pytest_in_child)
     finally:
         path.unlink(missing_ok=True)  # no stale socket for the next check to find
 
 
-def serve(server: socket.socket, stamp: float, run_pytest) -> None:
+def answer_checks(server: socket.socket, stamp: float, run_pytest) -> None:
     """Answer connections until IDLE_S of silence or a stop. A client that goes away (Ctrl-C of its check:
     BrokenPipeError on the answer), an empty connection or a garbled request costs that connection only."""
     while True:

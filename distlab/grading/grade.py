@@ -47,6 +47,7 @@ def grade(student_dir: str | None, out: str, impl: str = "templates", tests: lis
     """Run pytest on the student's code and return (and write) the Gradescope results."""
     cmd = [sys.executable, "-m", "pytest", *(tests or phase_test_files()), f"--impl={impl}",
            f"--results-json={os.path.abspath(out)}", "-q", "-p", "no:cacheprovider",
+           "-p", "no:hypothesispytest", "-p", "no:benchmark",  # no graded test uses them: ~2 s of imports
            f"--rootdir={REPO}", "-c", str(REPO / "pyproject.toml"), *(pytest_args or [])]
     if student_dir is None and impl == "templates":
         student_dir = str(REPO)  # this checkout's templates, graded behind the same walls (distlab/grading/jail.py)

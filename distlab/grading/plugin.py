@@ -9,7 +9,8 @@ process never runs learner code. Before the first test, each exercise's tests ru
 (distlab/grading/jail.py: a private copy of the bench without the reference, an unprivileged identity,
 read-only everything but its scratch); what comes out is data. Each graded test's verdict is then made
 here, from that data and the same test run on the reference (distlab/grading/verdict.py).
-``--record-reference`` keeps the reference's checks for later grading runs (grading/gradescope/setup.sh).
+``--record-reference`` keeps the reference's checks for later grading runs (grading/gradescope/setup.sh), and the
+lint's allowances the jails take as data.
 """
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ def pytest_configure(config):
             from distlab.grading.rules import install_builtin_rules  # (torch: only in a run that tests templates)
 
             install_builtin_rules()  # torch's own all_reduce, sampler, ... refused to the templates that teach them
+    if config.getoption("--record-reference"):  # the lint's allowances too: each grading run's jail takes them
+        from distlab.grading import jail  # as data, and rendering them from every solution is ~5 s of CPU
+
+        jail.allowances()
 
 
 @pytest.hookimpl(hookwrapper=True)
