@@ -520,9 +520,13 @@ def _worker_uninterrupted(rank, world_size, cfg):
 
 
 def _worker_reference_resume(rank, world_size, cfg):
-    """The node-loss baseline: a resume on fewer ranks needs a checkpoint and its resharding, the reference's."""
+    """The node-loss baseline (4.5-4.6): a resume on fewer ranks, without torchrun. Checkpoints (4.1-4.4) and the
+    heartbeat (4.7) are the reference's; the resharding is the code under test, as in _worker_elastic (in a grading
+    jail the reference of 4.5-4.6 is not there: the grader compares these values with the reference run's)."""
     torch.set_num_threads(1)  # the same as torchrun's OMP_NUM_THREADS=1: the same float rounding
-    final = _ft(reference=("checkpoint", "elastic")).train(rank, world_size, cfg)
+    ft = _ft(reference=("checkpoint",))
+    ft.load(PHASE, "elastic").heartbeat = load(PHASE, "elastic", impl="solutions").heartbeat
+    final = ft.train(rank, world_size, cfg)
     return {k: v.tolist() for k, v in final.items()} if rank == 0 else None
 
 
