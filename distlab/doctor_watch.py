@@ -26,6 +26,7 @@ import time
 from datetime import timedelta
 
 from distlab import flight_recorder
+from distlab.deadlines import TIMEOUT_SCALE_ENV, timeout_scale  # noqa: F401 - the launcher's spelling
 from distlab.doctor_diagnosis import _pending, diagnose_all, report
 from distlab.todo import HANG_EXIT_CODE
 
@@ -68,23 +69,9 @@ class Progress:
 
 
 # --------------------------------------------------------------------------- deadlines on a busy machine
-TIMEOUT_SCALE_ENV = "DISTLAB_TIMEOUT_SCALE"
 TEST_DEADLINE_ENV = "DISTLAB_TEST_DEADLINE"  # when pytest-timeout ends the current test (time.time()), set below
 HARD_CAP = 10  # a run that keeps progressing on a busy machine is waited for up to 10x its deadline
 BUSY_SHARE = 0.2  # the ranks waited for a CPU for 20% of the run's wall time (summed): the machine is busy
-
-
-def timeout_scale() -> float:
-    """DISTLAB_TIMEOUT_SCALE as a number (1 when unset): every course deadline is multiplied by it."""
-    setting = os.environ.get(TIMEOUT_SCALE_ENV, "").strip()
-    try:
-        value = float(setting) if setting else 1.0
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{TIMEOUT_SCALE_ENV}={setting!r} must be a number > 0 that multiplies every deadline "
-                         f"(e.g. {TIMEOUT_SCALE_ENV}=3 on a slow machine)")
-    return value
 
 
 def machine_load() -> str:

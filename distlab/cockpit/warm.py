@@ -24,12 +24,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from distlab.deadlines import TIMEOUT_SCALE_ENV, timeout_scale
+
 IDLE_S = 600.0  # a server nobody asked for 10 minutes ends
 REQUEST_S = 10.0  # a request is one short line, sent at once
 START_TIMEOUT_S = 60.0  # importing torch and pytest and starting the forkserver: ~4 s idle, far more at high load
-# distlab.doctor_watch.TIMEOUT_SCALE_ENV: every course deadline is multiplied by it. Spelled out, not
-# imported: distlab.doctor_watch imports torch, ~2 s that each `check --warm` would pay before asking.
-TIMEOUT_SCALE_ENV = "DISTLAB_TIMEOUT_SCALE"
 
 
 class NotStarted(RuntimeError):
@@ -37,15 +36,7 @@ class NotStarted(RuntimeError):
 
 
 def start_timeout_s() -> float:
-    setting = os.environ.get(TIMEOUT_SCALE_ENV, "").strip()
-    try:
-        scale = float(setting) if setting else 1.0
-    except ValueError:
-        scale = -1.0
-    if not scale > 0:
-        raise ValueError(f"{TIMEOUT_SCALE_ENV}={setting!r} must be a number > 0 that multiplies every deadline "
-                         f"(e.g. {TIMEOUT_SCALE_ENV}=3 on a slow machine)")
-    return START_TIMEOUT_S * scale
+    return START_TIMEOUT_S * timeout_scale()  # ValueError: the setting, in one line
 
 
 def socket_path(root: Path) -> Path:
