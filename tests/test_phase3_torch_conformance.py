@@ -101,6 +101,11 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, steps:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             with pytest.raises(RuntimeError, match=r"optimizer\.clip_grad_norm_"):  # a monitor's norm, on a copy
                 torch.stack([p.grad.detach().double().norm() for p in model.parameters() if p.grad is not None]).norm()
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            for read in (lambda g: g.data.norm(), lambda g: g.tolist(), lambda g: g.cpu().numpy(),
+                         lambda g: g.flatten()[0].item()):
+                with pytest.raises(RuntimeError, match=r"optimizer\.clip_grad_norm_"):  # .data, and values on the host
+                    read(grads[0])
         norms.append(_clip(model, optimizer, *CLIPS[step], error_if_nonfinite=True))
         optimizer.step()
         scheduler.step()

@@ -122,7 +122,10 @@ class ModuleClipGradNorm:  # FullyShardedDataParallel's (phase3_multi_node/fsdp.
 # Copies and views of a guarded gradient stay guarded: ``p.grad.detach().double().norm()`` (a monitor's
 # gradient norm) raises too, instead of reading this rank's part as the whole.
 COPIES = {_T.detach, _T.view, _T.view_as, _T.reshape, _T.reshape_as, _T.flatten, torch.flatten, torch.reshape,
-          _T.__getitem__, _T.to, _T.double, _T.float, _T.half, _T.bfloat16, _T.clone, torch.clone, _T.contiguous}
+          _T.__getitem__, _T.to, _T.double, _T.float, _T.half, _T.bfloat16, _T.clone, torch.clone, _T.contiguous,
+          _T.data.__get__, _T.cpu}
+# Values read out to the host (a norm taken in numpy or Python) raise as norms do: this rank's part is not the whole.
+HOST_READS = {_T.tolist, _T.numpy, _T.item, _T.__array__}
 
 
 class GuardedGrad(ShardedGrad):
@@ -131,7 +134,7 @@ class GuardedGrad(ShardedGrad):
     _message = "this gradient is sharded"
 
     def _handle(self, func, args, kwargs):
-        if func in NORMS or func in CLAMPS:
+        if func in NORMS or func in CLAMPS or func in HOST_READS:
             raise RuntimeError(self._message)
         if func is _T.zero_ and self.stride() == (0,) * self.dim():  # model.zero_grad(set_to_none=False)
             return self
