@@ -275,3 +275,15 @@ def test_recorded_values_reach_the_grader_as_plain_data():
         testing._records = saved
     verdict.compare(records, records)
     assert all(r["actual"] == r["expected"] for r in records), records
+
+
+def test_the_score_line_calls_unfinished_only_a_todo_stub_not_a_diagnosis_that_names_a_todo():
+    """A deleted zero_grad outside the TODOs is diagnosed as "you edited train_step (not a TODO)", and a
+    diagnosis may point at a TODO; neither is an unfinished TODO (issue 32: the line said '<- unfinished: TODO 1.6')."""
+    from distlab.pytest_plugin import score_line
+
+    s = {"passed": 0, "total": 1, "points": 0.0, "weight": 3, "partial": False}
+    edited = "you edited train_step (not a TODO): rank 0, step 1: your broadcast_parameters (TODO 1.6) or the update?"
+    assert "unfinished" not in score_line("1.6-1.8", {**s, "failures": [f"t::a: {edited}"]})
+    stub = "rank 1: TODO 1.6 broadcast the parameters: not implemented yet (see phase1_data_parallel/guidelines.md)"
+    assert score_line("1.6-1.8", {**s, "failures": [f"t::a: {stub}"]}).endswith("<- unfinished: TODO 1.6")
