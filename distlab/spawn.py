@@ -380,7 +380,10 @@ def _collect(procs, readers, timeout_s: float, watch: _Watch) -> list[Any]:
         # A failed check (not a TODO, not an error its code raised on purpose, which is the cause itself): the
         # symptom of a collective it skipped?
         if first_rank in raw and not raw[first_rank][5] and raw[first_rank][2].rsplit(".", 1)[-1] == "AssertionError":
-            settle = time.monotonic() + min(2.0, max(watch.hang_s, 1.0))  # for the others to enter the one it skipped
+            # For the others to enter the one it skipped: until each is blocked in a collective or has ended (on a
+            # busy machine that takes what it takes), within the run's deadline and 30 s (scaled).
+            now = time.monotonic()
+            settle = now + min(30.0 * doctor_watch.timeout_scale(), max(2.0, deadline - now))
             while pending and time.monotonic() < settle and not all(_pending(watch.records()[r]) for r in pending):
                 hear(0.1)
             line = skipped(watch.records(), first_rank, len(procs)) if pending else None
