@@ -381,12 +381,13 @@ def _collect(procs, readers, timeout_s: float, watch: _Watch) -> list[Any]:
         # symptom of a collective it skipped?
         if first_rank in raw and not raw[first_rank][5] and raw[first_rank][2].rsplit(".", 1)[-1] == "AssertionError":
             # For the others to enter the one it skipped: until each is blocked in a collective or has ended (on a
-            # busy machine that takes what it takes), within the run's deadline and 30 s (scaled).
+            # busy machine that takes what it takes), within the run's deadline and 30 s (scaled). A rank that
+            # entered it after this one exited failed there (connection closed): its record still says where.
             now = time.monotonic()
             settle = now + min(30.0 * doctor_watch.timeout_scale(), max(2.0, deadline - now))
             while pending and time.monotonic() < settle and not all(_pending(watch.records()[r]) for r in pending):
                 hear(0.1)
-            line = skipped(watch.records(), first_rank, len(procs)) if pending else None
+            line = skipped(watch.records(), first_rank, len(procs))
             if line:
                 _, module, qualname, text, tb, _ = raw[first_rank]
                 table = doctor.table(watch.records(), watch.states(finished), time.time())
