@@ -15,6 +15,7 @@ that copy (``--impl=templates --student-dir=COPY``), with nothing but that exerc
 * caught: one of the exercise's tests fails with a message (not a LearnerTODO, not a timeout);
 * missed: every test passes;
 * timeout: it was only caught by a deadline (a hang is not a diagnosis);
+* slow machine: its tests were still progressing on a busy machine at their hard cap: rerun it;
 * leak: a test failed with another exercise's TODO (the exercise is not graded independently);
 * control failed: the copy fails without the bug too (the failure is not the bug's).
 
@@ -45,6 +46,7 @@ RESULTS = REPO / "benchmarks" / "results" / "bug_catalogue.json"
 EXERCISES_ENV = "DISTLAB_EXERCISES"
 # A deadline, not a diagnosis: the launcher's, gloo's, pytest-timeout's, or this module's own.
 _TIMEOUT = re.compile(r"did not finish within|Timed out waiting|Failed: Timeout|^Timeout")
+_SLOW = "slow machine ("  # doctor_watch.slow_machine's line: a run or job still progressing at its hard cap
 
 
 # --- pytest plugin: run only the named exercises' tests -------------------------------------------
@@ -166,6 +168,35 @@ def exercise_test_files(exercises: list[str]) -> list[str]:
     return [str(p) for ph in phases for p in sorted((REPO / "tests").glob(f"test_phase{ph}*.py"))]
 
 
+def run_job(cmd: list[str], env: dict[str, str], timeout_s: float) -> tuple[subprocess.CompletedProcess, str | None]:
+    """Run ``cmd`` (a nested pytest) to its end, or to its deadline: ``timeout_s`` times DISTLAB_TIMEOUT_SCALE,
+    past which a job still using CPU on a busy machine is waited for up to the hard cap (``procs.Deadline``).
+
+    Returns its result and None, or what stopped it: "did not finish within N s", or on a busy machine
+    ``slow_machine``'s line (a bug is then not marked "timeout": the machine, not the code, was slow).
+    Nothing the job started outlives it.
+    """
+    from distlab.procs import RUN_MARKER_ENV, Deadline, kill_process_tree, marked_environ
+
+    marker = os.urandom(8).hex()
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**env, RUN_MARKER_ENV: marked_environ(marker)[RUN_MARKER_ENV]},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = Deadline([proc.pid], timeout_s)
+    try:
+        while True:
+            try:  # communicate again after its timeout loses no output (the pipes keep being read)
+                out, err = proc.communicate(timeout=0.5)
+                return subprocess.CompletedProcess(cmd, proc.returncode, out, err), None
+            except subprocess.TimeoutExpired:
+                over = deadline.passed()
+                if over is not None:
+                    return subprocess.CompletedProcess(cmd, None, "", ""), (
+                        over or f"pytest did not finish within {deadline.timeout_s:g} s")
+    finally:
+        kill_process_tree(proc.pid, marker)
+        proc.wait()
+
+
 def run_exercises(copy: Path, exercises: list[str], *, timeout_s: float = 120, stop_first: bool = False,
                   per_test_timeout_s: float = 60) -> dict[str, list[dict]]:
     """Run ``exercises``' tests against the student copy; return exercise -> per-test results (by full name)."""
@@ -180,12 +211,9 @@ def run_exercises(copy: Path, exercises: list[str], *, timeout_s: float = 120, s
         if stop_first:
             cmd.append("-x")
         env = dict(os.environ, **{EXERCISES_ENV: json.dumps(exercises)})
-        try:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s,
-                                  start_new_session=True)
-        except subprocess.TimeoutExpired:
-            return {e: [{"outcome": "failed", "message": f"pytest did not finish within {timeout_s:.0f} s",
-                         "error_type": "TimeoutError"}] for e in exercises}
+        proc, over = run_job(cmd, env, timeout_s)
+        if over is not None:  # a deadline, or a slow machine: the exercises' tests never reported
+            return {e: [{"outcome": "failed", "message": over, "error_type": "TimeoutError"}] for e in exercises}
         if not out.is_file():
             raise RuntimeError(f"pytest wrote no results ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}")
         per_test = json.loads(out.read_text())["per_test"]
@@ -197,7 +225,7 @@ def run_exercises(copy: Path, exercises: list[str], *, timeout_s: float = 120, s
 
 
 def verdict(results: list[dict]) -> tuple[str, str]:
-    """("caught" | "missed" | "timeout" | "leak" | "no tests", the first failure's message)."""
+    """("caught" | "missed" | "timeout" | "slow machine" | "leak" | "no tests", the first failure's message)."""
     failed = [r for r in results if r["outcome"] == "failed"]
     if not results:
         return "no tests", ""
@@ -206,11 +234,15 @@ def verdict(results: list[dict]) -> tuple[str, str]:
     # A test's own assertion is a diagnosis even when it quotes a timeout (a heartbeat's message).
     real = [r for r in failed if r.get("error_type") == "AssertionError" or (
             r.get("error_type") != "LearnerTODO" and "not implemented yet" not in r["message"]
-            and not _TIMEOUT.search(r["message"]) and r.get("error_type") != "TimeoutError")]
+            and not _TIMEOUT.search(r["message"]) and r.get("error_type") != "TimeoutError"
+            and not r["message"].startswith(_SLOW))]
     if real:
         return "caught", real[0]["message"]
     if any(r.get("error_type") == "LearnerTODO" or "not implemented yet" in r["message"] for r in failed):
         return "leak", failed[0]["message"]
+    slow = [r for r in failed if r["message"].startswith(_SLOW)]
+    if slow:  # still progressing when its hard cap passed, on a busy machine: not the bug's doing, rerun it
+        return "slow machine", slow[0]["message"]
     return "timeout", failed[0]["message"]
 
 

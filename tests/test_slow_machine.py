@@ -107,3 +107,32 @@ def test_a_jobs_deadline_waits_for_a_job_progressing_on_a_busy_machine_then_says
     assert re.match(r"slow machine \(load \d+\.\d on \d+ cores?\), not your code: rerun \(or set "
                     r"DISTLAB_TIMEOUT_SCALE=2\); its processes were still making progress after 3 s$", over), over
     assert took < 5, took
+
+
+_SPIN_ON = "import os\nos.sched_setaffinity(0, {{{core}}})\nos.nice(19)\nwhile True: pass"  # a job's slow child
+
+
+def test_a_bugs_nested_pytest_still_progressing_on_a_busy_machine_is_said_slow_not_timeout(busy_core, monkeypatch):
+    """distlab.bugs ran each bug's pytest under subprocess.run(timeout=N): a loaded machine marked bugs
+    "timeout". The job's deadline now waits like run_distributed's, and a bug's verdict says slow machine."""
+    from distlab import bugs
+
+    monkeypatch.setattr(doctor_watch, "HARD_CAP", 3)  # waited for 3 s, not 10, to keep the test cheap
+    start = time.monotonic()
+    proc, over = bugs.run_job([sys.executable, "-c", _SPIN_ON.format(core=busy_core)], dict(os.environ), 1)
+    assert proc.returncode is None and re.match(r"slow machine \(load \d+\.\d on \d+ cores?\), not your code: rerun "
+                                                r".*; its processes were still making progress after 3 s$", over), over
+    assert time.monotonic() - start < 6, "waited past the hard cap (3 s) and two looks"
+    failed = {"outcome": "failed", "message": over, "error_type": "TimeoutError"}
+    assert bugs.verdict([failed]) == ("slow machine", over)
+
+
+def test_a_bugs_nested_pytest_that_makes_no_progress_still_times_out_and_leaves_nothing(tmp_path):
+    from distlab import bugs
+    from distlab.procs import _alive
+
+    pid_file = tmp_path / "grandchild"
+    proc, over = bugs.run_job(["sh", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], dict(os.environ), 0.5)
+    assert over == "pytest did not finish within 0.5 s", over  # no CPU used: a plain timeout, busy machine or not
+    assert bugs.verdict([{"outcome": "failed", "message": over, "error_type": "TimeoutError"}])[0] == "timeout"
+    assert not _alive(int(pid_file.read_text())), "the job's grandchild outlived it"
