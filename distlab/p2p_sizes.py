@@ -12,8 +12,8 @@ to the host without blocking and checked at a later receive, once it has landed,
 of the wire format). Under strict mode (``distlab.p2p_strict``) the strict checks (b) already cover
 it, so no header: strict mode calls ``strict_started``/``strict_ended`` here.
 
-It wraps ``ProcessGroup.send/recv`` (every point-to-point operation of ``torch.distributed`` in this
-process, ``distlab.p2p``'s or not). The course's code imports these names from ``distlab.p2p``.
+It handles ``ProcessGroup.send/recv`` through distlab.intercept (every point-to-point operation of
+``torch.distributed`` in this process, ``distlab.p2p``'s or not). The course's code imports these names from ``distlab.p2p``.
 See phase1_data_parallel/guidelines.md#point-to-point-on-nccl.
 """
 from __future__ import annotations
@@ -36,17 +36,8 @@ class P2PSizeError(RuntimeError):
     """A message whose size or dtype differs from its receive buffer's (gloo accepts a shorter one)."""
 
 
-_PG = torch._C._distributed_c10d.ProcessGroup
-
-
-def _method(name: str):
-    """``ProcessGroup.<name>`` as the class holds it: pybind's method descriptor, which binds ``self``
-    when set back (``getattr(_PG, name)`` is the bare builtin, which would not)."""
-    return _PG.__dict__[name] if name in _PG.__dict__ else getattr(_PG, name)
-
-
 # --------------------------------------------------------------------------- the size check
-_SIZED: dict[str, object] = {}  # the real ProcessGroup methods while headers are sent
+_sized: intercept.Handle | None = None  # its ProcessGroup handlers, while headers are sent
 _size_wanted = False
 _HEADER_TAG = 1 << 30  # headers travel under tag ^ this (gloo): a header never meets a payload
 _DTYPE_NAMES: dict[int, str] = {}  # dtype code -> name, for every dtype torch has (_dtype_code)
@@ -78,16 +69,15 @@ def disable_size_check() -> None:
 
 def size_check_enabled() -> bool:
     """Whether a message shorter than its buffer (or of another dtype) raises in this process."""
-    return bool(_SIZED) or (_size_wanted and _under_strict)
+    return _sized is not None or (_size_wanted and _under_strict)
 
 
 def _install_size_check() -> None:
-    global _batch_subscription
-    if _SIZED:
+    global _batch_subscription, _sized
+    if _sized is not None:
         return
-    for name, fn in (("send", _sized_send), ("recv", _sized_recv), ("recv_anysource", _sized_recv_anysource)):
-        _SIZED[name] = _method(name)
-        setattr(_PG, name, fn)
+    _sized = intercept.handle("p2p_sizes", {"send": _sized_send, "recv": _sized_recv,
+                                            "recv_anysource": _sized_recv_anysource})
     if _batch_subscription is None:  # a batch's receives are checked at its Work's wait
         _batch_subscription = intercept.subscribe("p2p_sizes", _sized_batch, ops=("batch_isend_irecv",))
 
@@ -110,10 +100,10 @@ def _sized_batch(call: intercept.Call):
 
 
 def _uninstall_size_check() -> None:
-    global _batch_subscription
-    for name, fn in _SIZED.items():
-        setattr(_PG, name, fn)
-    _SIZED.clear()
+    global _batch_subscription, _sized
+    if _sized is not None:
+        _sized.cancel()
+        _sized = None
     if _batch_subscription is not None:
         _batch_subscription.cancel()
         _batch_subscription = None
@@ -155,24 +145,25 @@ def _header(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.tensor(_describe(tensors), dtype=torch.int64, device=tensors[0].device if tensors else "cpu")
 
 
-def _sized_send(self, tensors, dst, tag):
-    header = _SIZED["send"](self, [_header(tensors)], dst, tag ^ _HEADER_TAG)
-    return _SizedSendWork([header, _SIZED["send"](self, tensors, dst, tag)])
+# ProcessGroup handlers (distlab.intercept): ``inner`` is the method's next step inward (torch's, here).
+def _sized_send(inner, self, tensors, dst, tag):
+    header = inner(self, [_header(tensors)], dst, tag ^ _HEADER_TAG)
+    return _SizedSendWork([header, inner(self, tensors, dst, tag)])
 
 
-def _sized_recv(self, tensors, src, tag):
+def _sized_recv(inner, self, tensors, src, tag):
     header = torch.empty(2, dtype=torch.int64, device=tensors[0].device if tensors else "cpu")
-    header_work = _SIZED["recv"](self, [header], src, tag ^ _HEADER_TAG)
-    work = _SizedRecvWork(_SIZED["recv"](self, tensors, src, tag), header_work, header, tensors, self, src)
+    header_work = inner(self, [header], src, tag ^ _HEADER_TAG)
+    work = _SizedRecvWork(inner(self, tensors, src, tag), header_work, header, tensors, self, src)
     if getattr(_sized_tls, "checks", None) is not None:
         _sized_tls.checks.append(work)
     return work
 
 
-def _sized_recv_anysource(self, tensors, tag):
+def _sized_recv_anysource(inner, self, tensors, tag):
     # The header names the sender; the payload is received from it when waited for.
     header = torch.empty(2, dtype=torch.int64, device=tensors[0].device if tensors else "cpu")
-    return _AnySourceWork(_SIZED["recv_anysource"](self, [header], tag ^ _HEADER_TAG), header, tensors, self, tag)
+    return _AnySourceWork(inner(self, [header], tag ^ _HEADER_TAG), header, tensors, self, tag)
 
 
 class _SizedSendWork:
@@ -317,7 +308,7 @@ class _AnySourceWork(_SizedRecvWork):
         if self._work is None:
             self._header_work.wait(*args, **kwargs)
             self._src = self._header_work._source_rank()
-            self._work = _SIZED["recv"](self._pg, self._tensors, self._src, self._tag)
+            self._work = intercept.pg_below("p2p_sizes", "recv")(self._pg, self._tensors, self._src, self._tag)
         return super().wait(*args, **kwargs)
 
     def is_completed(self) -> bool:

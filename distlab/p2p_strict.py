@@ -2,7 +2,7 @@
 
 Strict mode (``DISTLAB_STRICT_P2P=1``, set by the pytest plugin; or ``enable_strict()``)
 checks NCCL's rules on every point-to-point operation of ``torch.distributed`` in this
-process, ``distlab.p2p``'s or not (it wraps ``ProcessGroup.send/recv``):
+process, ``distlab.p2p``'s or not (it handles ``ProcessGroup.send/recv`` through distlab.intercept):
 
 (a) tags are dropped: messages match by order only, as on NCCL;
 (b) the k-th send from a to b and the k-th receive on b from a must agree in bytes,
@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from distlab import intercept, p2p_sizes
-from distlab.p2p_sizes import _PG, _method
 
 STRICT_ENV = "DISTLAB_STRICT_P2P"
 BACKEND_ENV = "DISTLAB_STRICT_P2P_BACKEND"  # simulate this backend in check (d), e.g. "nccl"
@@ -41,14 +40,14 @@ class StrictP2PError(RuntimeError):
     """A point-to-point pattern that NCCL would reject, mismatch or deadlock on."""
 
 
-_REAL: dict[str, object] = {}
+_on: list = []  # while on: its ProcessGroup handlers and its batch observer (distlab.intercept)
 _tls = threading.local()
 _simulated_backend: list[str] = []
 
 
 def strict_enabled() -> bool:
     """Whether this process checks NCCL's point-to-point rules (see the module docstring)."""
-    return bool(_REAL)
+    return bool(_on)
 
 
 @contextlib.contextmanager
@@ -275,22 +274,23 @@ class _CheckedSendWork(_CheckedWork):
             _state.store.set(key, "")
 
 
-def _strict_send(self, tensors, dst, tag):
+# ProcessGroup handlers (distlab.intercept): ``inner`` is the method's next step inward.
+def _strict_send(inner, self, tensors, dst, tag):
     ks = [_state.on_send(self, t, dst, tag) for t in tensors]
-    work = _REAL["send"](self, tensors, dst, 0)  # (a): tags mean nothing on NCCL
+    work = inner(self, tensors, dst, 0)  # (a): tags mean nothing on NCCL
     return _CheckedSendWork(work, self, dst, ks[-1])
 
 
-def _strict_recv(self, tensors, src, tag):
+def _strict_recv(inner, self, tensors, src, tag):
     checks = [_state.on_recv(self, t, src, tag) for t in tensors]
-    work = _REAL["recv"](self, tensors, src, 0)
+    work = inner(self, tensors, src, 0)
     checks = [c for c in checks if c is not None]
     if not checks:
         return work
     return _CheckedWork(work, lambda: [c() for c in checks])
 
 
-def _strict_recv_anysource(self, tensors, tag):
+def _strict_recv_anysource(inner, self, tensors, tag):
     raise StrictP2PError(f"rank {self.rank()}: a receive from any source: NCCL has none; receive from a "
                          "known rank (the schedule says who sends next) or use a collective")
 
@@ -303,26 +303,21 @@ def _strict_batch(call: intercept.Call):
 def enable_strict() -> None:
     """Check NCCL's point-to-point rules in this process from now on (idempotent)."""
     global _state
-    if _REAL:
+    if _on:
         return
     p2p_sizes.strict_started()  # strict check (b) covers sizes: messages go without headers
     _state = _Strict()
-    for name, fn in (("send", _strict_send), ("recv", _strict_recv), ("recv_anysource", _strict_recv_anysource)):
-        _REAL[name] = _method(name)
-        setattr(_PG, name, fn)
+    _on.append(intercept.handle("p2p_strict", {"send": _strict_send, "recv": _strict_recv,
+                                               "recv_anysource": _strict_recv_anysource}))
     # Observed through distlab.intercept, outermost: the doctor and the ledgers see the same batches.
-    _REAL["batch_isend_irecv"] = intercept.subscribe("p2p_strict", _strict_batch, ops=("batch_isend_irecv",))
+    _on.append(intercept.subscribe("p2p_strict", _strict_batch, ops=("batch_isend_irecv",)))
 
 
 def disable_strict() -> None:
     """Undo ``enable_strict`` (tests of the checker itself)."""
     global _state
-    for name in ("send", "recv", "recv_anysource"):
-        if name in _REAL:
-            setattr(_PG, name, _REAL[name])
-    if "batch_isend_irecv" in _REAL:
-        _REAL["batch_isend_irecv"].cancel()
-    _REAL.clear()
+    while _on:
+        _on.pop().cancel()
     _state = None
     p2p_sizes.strict_ended()
 

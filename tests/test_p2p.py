@@ -185,10 +185,11 @@ def test_init_from_env_turns_the_size_check_on_under_torchrun(tmp_path):
 
 
 def _worker_size_and_strict(rank, world_size):
-    pg = torch._C._distributed_c10d.ProcessGroup
+    from distlab import intercept
+
     states = []
     def state():
-        return (p2p.size_check_enabled(), p2p.strict_enabled(), pg.send is p2p._sized_send)
+        return (p2p.size_check_enabled(), p2p.strict_enabled(), intercept.pg_roles("send"))
     p2p.enable_strict()
     assert p2p.enable_size_check() and p2p.enable_size_check()  # idempotent
     states.append(state())  # strict mode checks sizes itself: no headers
@@ -203,7 +204,8 @@ def _worker_size_and_strict(rank, world_size):
 
 def test_size_check_gives_way_to_strict_mode_and_comes_back_after_it():
     assert run_distributed(_worker_size_and_strict, 1, backend="gloo") == [[
-        (True, True, False), (True, False, True), (True, True, False), (False, True, False)]]
+        (True, True, ("p2p_strict",)), (True, False, ("p2p_sizes",)), (True, True, ("p2p_strict",)),
+        (False, True, ("p2p_strict",))]]
 
 
 # --------------------------------------------------------------------------- the hazards

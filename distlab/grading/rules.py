@@ -9,8 +9,8 @@ Two halves read it:
 
 * the static one, before a line of the template runs: distlab/grading/isolation.py's lint refuses imports,
   attribute chains (through aliases) and ``getattr`` names that name a refused built-in (:func:`static_names`);
-* the runtime one, here: :func:`install_builtin_rules` wraps, on the class, the ProcessGroup methods every
-  collective ends in (C++ methods: a Python function in front of each) and torch's ``DistributedSampler``.
+* the runtime one, here: :func:`install_builtin_rules` handles the ProcessGroup methods every collective ends
+  in (C++ methods; through distlab.intercept, outermost: see its PG_ORDER) and wraps torch's ``DistributedSampler``.
   A call is refused with PermissionError when the first frame of the course's own code above it (torch,
   the standard library and the bench's interception wrappers are looked through) is the template of the
   exercise that teaches it. The bench's uses (p2p, a lesson's given building block) and the tests' baselines
@@ -186,7 +186,7 @@ def check_call(what: str, method: str | None = None, into: str | None = None, in
     """Refuse ``what`` (a ProcessGroup method ``method``, or a method of a torch class defined in the file
     ``into`` under torch/) with its rule's line when the course code that called it is the template that
     teaches it, or when that template hands out torch's refused code (or subclasses it) as its own."""
-    frame = sys._getframe(2)  # 0: here, 1: the guarded method, 2: its caller
+    frame = sys._getframe(2)  # 0: here, 1: the guard (a handler or a guarded method), 2: its caller
     seen_files: list[str] = [into] if into else []
     while frame is not None:
         through, template, torch_file = _kind(frame.f_code)
@@ -212,12 +212,21 @@ def check_call(what: str, method: str | None = None, into: str | None = None, in
 
 
 _PG_METHODS = sorted(set().union(*(r.methods for r in RULES)))
-_installed = False
+_installed: list = []  # while installed: the ProcessGroup handlers' intercept.Handle
+
+
+def _refuse(name: str):
+    """The ProcessGroup handler of method ``name`` (distlab.intercept): check, then the next step inward."""
+    def handler(proceed, self, *args, **kwargs):
+        check_call(f"ProcessGroup.{name}", name, None, self)
+        return proceed(self, *args, **kwargs)
+
+    return handler
 
 
 def _guard_method(cls: type, name: str, label: str) -> None:
     original = getattr(cls, name)
-    into = _torch_file_of(cls) if label != "ProcessGroup" else None
+    into = _torch_file_of(cls)
     if getattr(original, "_refused_by_rules", False):
         return
 
@@ -249,15 +258,11 @@ def _guard_function(module, name: str, method: str) -> None:
 def install_builtin_rules() -> None:
     """In this process (a graded rank, or the process that runs a graded single-process test): every
     ProcessGroup method a rule names, and torch's DistributedSampler, refuse the templates that teach them."""
-    global _installed
     if _installed:
         return
-    from torch._C._distributed_c10d import ProcessGroup
     from torch.utils.data.distributed import DistributedSampler
 
-    for name in _PG_METHODS:
-        if hasattr(ProcessGroup, name):
-            _guard_method(ProcessGroup, name, "ProcessGroup")
+    _installed.append(intercept.handle("rules", {name: _refuse(name) for name in _PG_METHODS}))
     for name in ("__init__", "__iter__", "__len__", "set_epoch"):
         _guard_method(DistributedSampler, name, "DistributedSampler")
     # Functional collectives reach the process group from C++: refused at their Python entry points (a call
@@ -266,22 +271,20 @@ def install_builtin_rules() -> None:
 
     for name, method in _FUNCOL_METHODS.items():
         _guard_function(funcol, name, method)
-    _installed = True
 
 
 def uninstall_builtin_rules() -> None:
     """Put torch's own methods back (tests of this module)."""
-    global _installed
-    from torch._C._distributed_c10d import ProcessGroup
     from torch.utils.data.distributed import DistributedSampler
 
     import torch.distributed._functional_collectives as funcol
 
-    for cls in (ProcessGroup, DistributedSampler, funcol):
+    while _installed:
+        _installed.pop().cancel()
+    for cls in (DistributedSampler, funcol):
         for name, value in list(vars(cls).items()):
             if getattr(value, "_refused_by_rules", False):
                 if value._raw is None:
                     delattr(cls, name)
                 else:
                     setattr(cls, name, value._raw)
-    _installed = False
