@@ -22,7 +22,7 @@ from distlab.comm import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE, CommLedger, a
 from distlab.spawn import run_distributed
 from distlab.models import TiedFrozenModel, ToyMLP, seeded
 from distlab.testing import (assert_at_most, assert_equal, assert_grads_close, assert_models_close,
-                             assert_ranks_identical, assert_tensors_close, max_abs_diff, shard)
+                             assert_ranks_identical, assert_tensors_close, diagnose, max_abs_diff, shard)
 from property_checks import DefaultDeviceFactories, EventLog, LiveBytes, nbytes
 
 PHASE = "phase3_multi_node"
@@ -331,6 +331,15 @@ def _check_zero_resume(rank, world_size, stage, kind, zo, model, device="cpu"):
     restored = _zero(stage, restored_model)
     restored_model.load_state_dict(model.state_dict())  # in place: the params stay views of the buckets
     restored.load_sharded_state_dict(zo.sharded_state_dict())
+    # Saved state dicts are snapshots: the next step must not change them. Each is compared with a deepcopy
+    # taken at the same time (a view of the live chunk state would follow Adam's in-place update).
+    # The plain state_dict() is left out: it returns live tensors, as torch's Optimizer.state_dict() does.
+    saved = {"sharded_state_dict()": zo.sharded_state_dict()}
+    for to in range(world_size):  # every rank holds one, so all ranks fail alike (not one rank out of step)
+        zo.consolidate_state_dict(to=to)  # collective; rank `to`'s next state_dict() is the per-parameter one
+        if rank == to:
+            saved["consolidated state_dict()"] = zo.state_dict()
+    taken = copy.deepcopy(saved)
     # A scheduler made after the load must reach the optimizer that steps (torch's load replaces
     # the inner optimizer's param_groups): the halved learning rate is part of the next step.
     scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s) for opt in (zo, restored)]
@@ -341,9 +350,42 @@ def _check_zero_resume(rank, world_size, stage, kind, zo, model, device="cpu"):
         opt.zero_grad()
         _loss(m(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
         opt.step()
+    for name, state in saved.items():  # first: a shared state would also make the resumed step differ
+        _check_unchanged(state, taken[name], f"rank {rank}, ZeRO-{stage}, {kind}: {name}")
     # Same parameters, optimizer state and data: no tolerance.
     assert_models_close(restored_model, model, rank=rank, step=f"ZeRO-{stage} resumed", rtol=0, atol=0,
                         baseline=False)
+
+
+def _check_unchanged(state, taken, where: str) -> None:
+    """``state`` (a state dict held across a step) still equals ``taken`` (its deepcopy then), bitwise."""
+    if isinstance(state, dict):
+        assert_equal(sorted(map(str, state)), sorted(map(str, taken)), f"{where}: keys changed", baseline=False)
+        for key in state:
+            _check_unchanged(state[key], taken[key], f"{where}[{key!r}]")
+    elif isinstance(state, (list, tuple)):
+        assert_equal(len(state), len(taken), f"{where}: length changed", baseline=False)
+        for i, (a, b) in enumerate(zip(state, taken)):
+            _check_unchanged(a, b, f"{where}[{i}]")
+    elif torch.is_tensor(state):
+        if not torch.equal(state, taken):  # a copy is bitwise what it was: no tolerance
+            raise AssertionError(f"{where} changed after the next step() (max abs diff "
+                                 f"{max_abs_diff(state, taken):.3e}): it shares memory with the live optimizer "
+                                 "state; a saved state dict must hold copies (.clone() each tensor)")
+    else:
+        assert_equal(state, taken, f"{where} changed after the next step()", baseline=False)
+
+
+def _check_averaged_grads(model: nn.Module, baseline: nn.Module, what: str) -> None:
+    """ZeRO-1 after step: each .grad (a view of the flat gradient 3.15a averaged in place, read by the step)
+    against the single-process gradient of the global batch. Adam's update barely moves with the
+    gradient's scale, so a sum left undivided shows here as W.00x, and only faintly in the parameters."""
+    expected = dict(baseline.named_parameters())
+    for name, p in model.named_parameters():
+        if p.grad is None or expected[name].grad is None:  # frozen (both None), or never used: not averaged
+            continue
+        assert_tensors_close(p.grad.detach(), expected[name].grad, f"{what}, averaged gradient of {name}", **TOL,
+                             explain=lambda a, e: diagnose(a, e, "the averaged gradient the step reads is"))
 
 
 def _check_zero(rank, world_size, stage, kind, device="cpu"):
@@ -370,6 +412,8 @@ def _check_zero(rank, world_size, stage, kind, device="cpu"):
         with ledger:
             _loss(forward(xs), ys).backward()
             opt.step()
+        if stage == 1:  # before the parameters: a wrong average is named by its ratio, not by Adam's symptom
+            _check_averaged_grads(model, baseline, what)
         if stage == 3:
             full = _gathered(zo)
             for name, expected in baseline.state_dict().items():
