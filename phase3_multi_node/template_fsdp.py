@@ -75,7 +75,8 @@ class FullyShardedDataParallel(TorchModuleAPI, NoSyncMixin, nn.Module):
     ...)`` on every rank clips by the global norm, as does ``fsdp.clip_grad_norm_`` (FSDP1's spelling). A
     parameter no rank used is not stepped (torch: its ``.grad`` stays None; distlab/lessons/clipping.py).
     Equivalent to: any torch optimizer on the single-process ``model.parameters()``, global batch.
-    Collective: construction, every forward and backward on all ranks of ``group``.
+    Collective: construction, every forward and backward on all ranks of ``group``, and every step of an
+    optimizer on the shards (it all-reduces a used bitmap, 4 B per parameter, as DDP's find_unused_parameters).
     Cost: 3 Psi (W-1)/W bytes per rank per step (1.5x DDP); memory (2 + 2 + K) Psi / W at rest.
     """
 

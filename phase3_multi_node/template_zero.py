@@ -28,8 +28,9 @@ Peak gradient bytes per rank in stage 2: the 1/W chunks + the bucket being fille
 |grads| + all-gather |params| (3 Psi in a ring, 1.5x DDP); stage 2: reduce-scatter + all-gather = 2 Psi,
 the same as DDP's all-reduce. Several backwards before one ``step`` accumulate (stage 2: into the chunks,
 each backward's reduce-scatters finish when it ends). A parameter no rank used is not stepped (torch: its
-``.grad`` is None); clip with ``optimizer.clip_grad_norm_`` (torch's function on ``.grad`` raises: it cannot
-see the global norm; distlab/lessons/clipping.py). See guidelines_ddp_zero.md#zero-1-optimizer-state-sharded.
+``.grad`` is None; a used bitmap, 4 B per parameter, all-reduced in ``step`` as DDP's find_unused_parameters
+does); clip with ``optimizer.clip_grad_norm_`` (torch's function on ``.grad`` raises: it cannot see the
+global norm; distlab/lessons/clipping.py). See guidelines_ddp_zero.md#zero-1-optimizer-state-sharded.
 
 ZeRO-Offload (given code, distlab/lessons/offload.py): with ``offload_device="cpu"`` the optimizer
 state and step live on the CPU; per step my gradient chunks go there and the updated chunks
@@ -114,7 +115,7 @@ class ZeroOptimizer(FlatStateDicts, ZeroGradViews, torch.optim.Optimizer):
         self._buffer_hooks = [] if module is None else broadcast_buffers_in_forward(module, group)  # DDP's job
         inner = [t for g in self.optimizer.param_groups for t in g["params"]]  # bucket i <-> inner parameter i
         self._unused = UnusedParameters({t: chunk_segments(b.params, b.offsets, self.rank, self.world_size)
-                                         for t, b in zip(inner, self.buckets)})  # skipped in the inner step:
+                                         for t, b in zip(inner, self.buckets)}, group)  # unused: not stepped
         self.optimizer.register_step_post_hook(lambda o, *_: self._unused.after_step(o))  # before offload's copy back
         if self._offloaded is not None:
             self._offloaded.attach(self.optimizer)

@@ -621,3 +621,99 @@ def test_every_wrapper_in_a_torch_training_loop_restarted_in_fresh_processes_mat
                          rtol=1e-4, atol=2e-5)
     for course in W4_PAIRS:
         _unused_untouched(ranks[0][course], f"W={world_size}, {course}")
+
+
+# --------------------------------------------------------------------------- unused parameters, as torch treats them
+class _Mix(nn.Module):
+    """One FSDP unit: an embedding no batch looks up rows 4-7 of, and a layer every rank uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(8, 4)  # first in the unit: rank 1's chunk at W=2 holds its rows 6-7 (ZeRO: 4-7)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, h: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+        h = torch.tanh(self.fc(h))
+        return h if tokens is None else h + self.emb(tokens)
+
+
+class _SitOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 4)
+        self.mix = _Mix()
+        self.extra = nn.Linear(4, 4)  # sits out some steps on every rank, then comes back
+        self.fc2 = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None, extra: bool = True) -> torch.Tensor:
+        h = self.mix(torch.tanh(self.fc1(x)), tokens)
+        return self.fc2(h + torch.tanh(self.extra(h)) if extra else h)
+
+
+EXTRA_USED = (False, True, True, False, False, True)  # out before its first step (no state), in, out, back
+
+
+def _sit_out_inputs(step: int, rank: int, world_size: int, scenario: str) -> tuple:
+    g = torch.Generator().manual_seed(200 + step)
+    x, y, tokens = torch.randn(8, 6, generator=g), torch.randint(3, (8,), generator=g), torch.randint(4, (8,), generator=g)
+    extra = EXTRA_USED[step] if scenario == "sit_out" else True
+    # "one_rank": only rank 0's samples carry tokens (rows 0-3): rank 1 never uses the embedding
+    tokens = shard(tokens, rank, world_size) if scenario == "one_rank" and rank == 0 else None
+    return shard(x, rank, world_size), shard(y, rank, world_size), tokens, extra
+
+
+def _worker_unused(rank: int, world_size: int, scenario: str) -> None:
+    from distlab.comm import CommLedger
+    adamw = dict(lr=0.05, weight_decay=0.1)
+    baseline = seeded(_SitOut, 0)  # torch: AdamW on the model, .grad = the mean of the ranks' gradients
+    base_opt = torch.optim.AdamW(baseline.parameters(), **adamw)
+    contenders = {}
+    for stage in (1, 2):  # 1-byte buckets: one parameter per bucket (the embedding's: rows 4-7 on rank 1)
+        model = seeded(_SitOut, rank)
+        contenders[f"ZeRO-{stage}"] = (model, load(PHASE, "zero").ZeroOptimizer(
+            model.parameters(), torch.optim.AdamW, stage=stage, bucket_size_mb=1 / 2**20, **adamw))
+    fsdp = load(PHASE, "fsdp").FullyShardedDataParallel(seeded(_SitOut, rank))
+    contenders["FSDP"] = (fsdp, torch.optim.AdamW(fsdp.parameters(), **adamw))
+    n_params = len(list(baseline.parameters()))
+    for step in range(len(EXTRA_USED)):
+        grads = []
+        for r in range(world_size):  # every rank's gradient, as DDP with find_unused_parameters sees them
+            base_opt.zero_grad(set_to_none=True)
+            xs, ys, tokens, extra = _sit_out_inputs(step, r, world_size, scenario)
+            F.cross_entropy(baseline(xs, tokens, extra), ys).backward()
+            grads.append([p.grad for p in baseline.parameters()])
+        for p, gs in zip(baseline.parameters(), zip(*grads)):  # None on every rank: None (torch skips it)
+            got = [g for g in gs if g is not None]
+            p.grad = None if not got else sum(got[1:], got[0]) / world_size  # 2 terms: the all-reduce's sum
+        base_opt.step()
+        expected = baseline.state_dict()
+        for name, (model, opt) in contenders.items():
+            xs, ys, tokens, extra = _sit_out_inputs(step, rank, world_size, scenario)
+            F.cross_entropy(model(xs, tokens, extra), ys).backward()
+            with CommLedger() as ledger:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            state = _full_state(model, world_size) if name == "FSDP" else model.state_dict()
+            for key, t in expected.items():
+                # Sums of two terms and halvings are exact, AdamW elementwise: bitwise, stepped whole or in parts
+                assert_tensors_close(state[key], t, f"rank {rank}, {name}, step {step}, {key} ({scenario})",
+                                     rtol=0, atol=0)
+            # one all-reduce in step besides ZeRO-1's gradients: the used bitmap, 4 B (int32) per parameter
+            grad_bytes = sum(g.numel() * g.element_size() for g in getattr(opt, "grad_flats", []))
+            ar = ledger.summary().get("all_reduce", {"calls": 0, "bytes": 0})
+            assert_equal(ar, {"calls": 1 + len(getattr(opt, "grad_flats", [])), "bytes": 4 * n_params + grad_bytes},
+                         f"rank {rank}, {name}, step {step}: all-reduces in step {ar}", baseline=False)
+
+
+@pytest.mark.exercise("3.15-3.18")
+def test_sharded_wrappers_step_a_parameter_back_from_sitting_out_with_its_own_count_as_torch_adamw():
+    # extra sits out (no rank uses it) before its first step and later: torch keeps its own step count,
+    # so when it comes back Adam's bias correction uses that count, not the chunk's (which advanced)
+    run_distributed(_worker_unused, WORLD_SIZE, "sit_out")
+
+
+@pytest.mark.exercise("3.15-3.18")
+def test_sharded_wrappers_step_a_parameter_used_on_one_rank_only_as_torch_adamw():
+    # the embedding is used on rank 0 only, and rank 1's chunk holds rows no batch looks up: its averaged
+    # gradient is zero there, yet torch steps (decays) the whole parameter: "used" must come from every rank
+    run_distributed(_worker_unused, WORLD_SIZE, "one_rank")

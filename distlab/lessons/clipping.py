@@ -168,45 +168,90 @@ def clip_message(wrapper: str, why: str, method: str) -> str:
 
 
 # ---------------------------------------------------------------------- unused parameters
+def _per_element(v: Any, t: torch.Tensor) -> bool:  # exp_avg, momentum_buffer: not a step count
+    return torch.is_tensor(v) and v.shape == t.shape
+
+
 class UnusedParameters:
-    """Skip, in an optimizer's step over flat chunks, the elements of parameters no rank used.
+    """Step each parameter's part of a flat chunk as torch steps the parameter itself.
 
     ``segments``: per chunk tensor the optimizer steps, ``(param, start, end)`` of each parameter's part
     of it. ``used(p)``: p got a gradient on this rank since the last step (backward hooks call it).
+    Torch steps a parameter iff some rank used it (DDP: ``.grad`` stays None otherwise), with its own
+    ``step`` count. Around every step of an optimizer over chunks of ``group``'s ranks:
+
+    * used: the bitmap of this rank's ``local`` set, all-reduced (MAX) over ``group``, as DDP's
+      find_unused_parameters does: exact, and the same on every rank. Collective: every rank's step.
+      Cost: one all-reduce of 4 bytes (int32) per parameter of the chunks it steps, and one host read.
+    * a parameter no rank used: its values and per-element state are put back (not decayed, no moments
+      created), and its own count does not advance (``behind[p]``: the chunk's count minus its own);
+    * a used one whose count is behind the chunk's (it sat out before): its part is stepped again from
+      the values before the step, by the optimizer's own class on a temporary parameter with its own
+      count, state slices and group hyperparameters, and written back. When no part is behind (no
+      parameter ever sat out), nothing extra runs.
     """
 
-    def __init__(self, segments: dict[torch.Tensor, list[tuple[Any, int, int]]]) -> None:
-        self.segments = segments
+    def __init__(self, segments: dict[torch.Tensor, list[tuple[Any, int, int]]],
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.segments, self.group = segments, group
         self.local: set[Any] = set()     # used on this rank since the last step (a set: by identity)
-        self.updated: dict[Any, Any] = {p: False for segs in segments.values() for p, _, _ in segs}
+        every = [p for segs in segments.values() for p, _, _ in segs]
+        self.updated: dict[Any, bool] = {p: False for p in every}  # stepped at least once (torch: has state)
+        self.behind: dict[Any, int] = {p: 0 for p in every}        # steps of its chunk it sat out
         self._saved: list = []
+        self._stepped: list = []
 
     def used(self, p: Any) -> None:
         self.local.add(p)
 
     @torch.no_grad()
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self._saved = []
-        for t in [t for g in optimizer.param_groups for t in g["params"] if t in self.segments]:
+        chunks = [t for g in optimizer.param_groups for t in g["params"] if t in self.segments]
+        if not chunks:
+            return
+        params = [p for t in chunks for p, _, _ in self.segments[t]]
+        flags = torch.tensor([p in self.local for p in params], dtype=torch.int32, device=params[0].device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)  # used on some rank (model's device: NCCL)
+        used = dict(zip(params, map(bool, flags.tolist())))
+        self._saved, self._stepped = [], [(t, used) for t in chunks if t.grad is not None]
+        for t, _ in self._stepped:
+            state = optimizer.state.get(t, {})
             for p, a, b in self.segments[t]:
-                if p in self.local and t.grad is not None:
-                    self.updated[p] = True
-                if p in self.local or t.grad is None or a == b:
-                    continue
-                skip = torch.all(t.grad[a:b] == 0)  # zero after averaging: no rank used it (a device flag)
-                state = {k: v[a:b].clone() for k, v in optimizer.state.get(t, {}).items()
-                         if torch.is_tensor(v) and v.shape == t.shape}
-                self._saved.append((t, p, a, b, skip, t[a:b].clone(), state))
+                self.updated[p] = self.updated[p] or used[p]
+                if a < b and (not used[p] or self.behind[p]):  # put back, or stepped again with its own count
+                    saved = {k: v[a:b].clone() for k, v in state.items() if _per_element(v, t)}
+                    self._saved.append((t, p, a, b, used[p], t[a:b].clone(), saved))
 
     @torch.no_grad()
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        for t, p, a, b, skip, value, state in self._saved:
-            t[a:b] = torch.where(skip, value, t[a:b])  # not decayed, not moved
-            for k, v in optimizer.state.get(t, {}).items():
-                if torch.is_tensor(v) and v.shape == t.shape:  # the moments it would not have: as before (or 0)
-                    v[a:b] = torch.where(skip, state.get(k, torch.zeros_like(v[a:b])), v[a:b])
-            self.updated[p] = torch.logical_or(torch.as_tensor(self.updated[p], device=skip.device), ~skip)
-        self._saved, self.local = [], set()
+        for t, p, a, b, used, value, saved in self._saved:
+            state = optimizer.state.get(t, {})
+            if used:
+                value, saved = self._own_step(optimizer, t, t.grad[a:b], value, saved, self.behind[p])
+            t[a:b] = value
+            for k, v in state.items():  # the moments it would not have (unused, new state): zeros
+                if _per_element(v, t):
+                    v[a:b] = saved.get(k, 0)
+        for t, used in self._stepped:
+            counts = "step" in optimizer.state.get(t, {})  # a per-parameter step count (Adam's)
+            for p, _, _ in self.segments[t]:
+                self.behind[p] += int(counts and not used[p])
+                self.local.discard(p)
+        self._saved, self._stepped = [], []
+
+    @staticmethod
+    def _own_step(optimizer: torch.optim.Optimizer, t: torch.Tensor, grad: torch.Tensor, value: torch.Tensor,
+                  saved: dict, behind: int) -> tuple[torch.Tensor, dict]:
+        """``value`` stepped by ``optimizer``'s class with ``t``'s hyperparameters and its own count
+        (the chunk's before this step, less ``behind``): torch's step of the parameter, bitwise."""
+        group = next(g for g in optimizer.param_groups if any(x is t for x in g["params"]))
+        tmp = torch.nn.Parameter(value)
+        tmp.grad = grad.clone()
+        solo = type(optimizer)([{**{k: v for k, v in group.items() if k != "params"}, "params": [tmp]}])
+        step = optimizer.state[t]["step"]  # the chunk's, after this step
+        solo.state[tmp] = {**saved, "step": step.clone() - (1 + behind) if torch.is_tensor(step) else step - 1 - behind}
+        solo.step()
+        return tmp.detach(), {k: v for k, v in solo.state[tmp].items() if _per_element(v, tmp)}
 
     def never_updated(self, params: Iterable[Any], group: dist.ProcessGroup | None) -> set[Any]:
         """Those of ``params`` no rank ever stepped (torch: no optimizer state). Collective."""
@@ -227,8 +272,10 @@ class UnusedParameters:
         return {n: s for n, s in state.items() if n not in drop}
 
     def loaded(self, has_state: Callable[[Any], bool]) -> None:
-        """After loading a state: a parameter without state there counts as never updated."""
+        """After loading a state: a parameter without state there counts as never updated; saved states
+        carry the chunk's step count, not each parameter's (so none counts as behind)."""
         self.updated = {p: has_state(p) for p in self.updated}
+        self.behind = {p: 0 for p in self.behind}
 
 
 def chunk_segments(params: list, offsets: list[int], rank: int, world_size: int,

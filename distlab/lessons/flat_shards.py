@@ -143,7 +143,7 @@ def replace_parameters(model: nn.Module, units: list, owner: Any) -> None:
     """
     owner._optimizers = weakref.WeakSet()
     owner._unused = UnusedParameters({u.shard: chunk_segments(u.params, u.offsets, owner.rank, owner.world_size)
-                                      for u in units})  # what no rank used: not stepped
+                                      for u in units}, owner.group)  # what no rank used: not stepped
     owner._state_names = list(model.state_dict(keep_vars=True))  # the single-process order, for state_dict()
     where = {m: n for n, m in model.named_modules()}
     for u in units:
