@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -132,6 +133,8 @@ def pytest_deselected(items):
 
 def pytest_collection_finish(session):
     _note_collected(session.items)
+    if session.items and not session.config.option.collectonly:
+        start_forkserver()  # beside the first test's set-up; its timer waits for it (pytest_timeout_set_timer)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -255,9 +258,47 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         tr.write_line(f"wrote {path}")
 
 
+# The launcher's forkserver imports torch (and the rest of spawn._context's preload) once per session: ~1.5 s on an
+# idle laptop, over 300 s beside 8 busy processes on 2 cores (commit 7944a7c). That start is the session's, not the
+# first distributed test's: it begins when collection ends, and the first timer is armed once it answers.
+FORKSERVER = {"started": False, "ready_s": None}  # ready_s: seconds the first test's timer waited for it
+
+
+def _ready() -> None:
+    """A forkserver child that does nothing: its start means the server has imported its preload."""
+
+
+def start_forkserver() -> None:
+    """Start the launcher's forkserver (distlab.spawn), in the background, if this session imported the launcher."""
+    if FORKSERVER["started"] or "distlab.spawn" not in sys.modules:
+        return
+    from multiprocessing import forkserver
+
+    FORKSERVER["started"] = True
+    sys.modules["distlab.spawn"]._context()  # its preload list, and its helpers stopped at exit
+    forkserver.ensure_running()
+
+
+def wait_for_forkserver() -> None:
+    """Block until the forkserver started by ``start_forkserver`` answers (once): before a test's timer is armed,
+    so that a busy machine's slow import of torch counts against no test's pytest-timeout."""
+    if not FORKSERVER["started"] or FORKSERVER["ready_s"] is not None:
+        return
+    start = time.monotonic()
+    try:
+        child = sys.modules["distlab.spawn"]._context().Process(target=_ready, daemon=True)
+        child.start()  # returns once the server has accepted: after its preload
+        child.join()
+    except Exception:  # a server that cannot start: the first run_distributed says why, within its test
+        pass
+    FORKSERVER["ready_s"] = time.monotonic() - start
+
+
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_timeout_set_timer(item, settings):
-    """pytest-timeout's limit times DISTLAB_TIMEOUT_SCALE, and when it fires for run_distributed (distlab/doctor_watch.py)."""
+    """pytest-timeout's limit times DISTLAB_TIMEOUT_SCALE, and when it fires for run_distributed (distlab/doctor_watch.py);
+    armed after the launcher's forkserver is up (its first start is the session's, not this test's)."""
     from distlab.doctor_watch import set_test_timer
 
+    wait_for_forkserver()
     return set_test_timer(item, settings)

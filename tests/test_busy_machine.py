@@ -17,12 +17,13 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from distlab.procs import kill_process_tree
+from distlab.procs import kill_process_tree, marked_environ
 from distlab.spawn import run_distributed
 from distlab.todo import LearnerTODO, todo
 
@@ -228,3 +229,46 @@ def test_the_watchdog_thread_ends_before_the_process_does(tmp_path):
     stop_watchdog ends the thread, and init_from_env's ranks run it at exit and in shutdown()."""
     for alive, _ in run_distributed(_worker_watchdog_stops, 2, str(tmp_path / "store"), timeout_s=60, hang_s=0):
         assert not alive, "the watchdog thread outlived stop_watchdog()"
+
+
+_FIRST_TEST = '''
+import pytest
+
+from distlab import spawn
+
+spawn.preload("slow_preload")  # the forkserver imports it first, as it imports torch: {slow_s:.1f} s
+
+
+def _worker_rank(rank, world_size):
+    return rank
+
+
+@pytest.mark.timeout({timeout_s:.1f})
+def test_the_first_distributed_test_of_a_session():
+    assert spawn.run_distributed(_worker_rank, 2, timeout_s=60) == [0, 1]
+'''
+
+
+@pytest.mark.e2e  # ~15 s: a nested pytest that imports torch twice (itself, its forkserver)
+@pytest.mark.timeout(200)
+def test_the_forkservers_first_start_counts_against_no_tests_timeout(tmp_path):
+    """Beside 8 busy processes on 2 cores the forkserver's import of torch took longer than the first test's
+    300 s pytest-timeout (commit 7944a7c): the first distributed test of a run failed for that alone. Here its
+    start is made slow on purpose (a preloaded module that sleeps longer than the test's timeout, a fixture);
+    the session starts the server after collection and arms the first timer once it answers."""
+    from distlab.deadlines import timeout_scale
+
+    timeout_s = 4.0  # times the scale below: enough for 2 ranks' start and init on a loaded machine
+    (tmp_path / "slow_preload.py").write_text(f"import time\ntime.sleep({timeout_s * timeout_scale() + 2})\n")
+    test = tmp_path / "test_first_of_session.py"
+    test.write_text(_FIRST_TEST.format(slow_s=timeout_s * timeout_scale() + 2, timeout_s=timeout_s))
+    repo, marker = Path(__file__).resolve().parent.parent, os.urandom(8).hex()
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", str(test), "-q", "-p", "no:cacheprovider",
+                             f"--rootdir={repo}", "-c", str(repo / "pyproject.toml")], cwd=repo,
+                            env=marked_environ(marker), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        kill_process_tree(proc.pid, marker)
+        proc.wait()
+    assert proc.returncode == 0 and "1 passed" in out, out[-3000:]

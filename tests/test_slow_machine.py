@@ -136,3 +136,15 @@ def test_a_bugs_nested_pytest_that_makes_no_progress_still_times_out_and_leaves_
     assert over == "pytest did not finish within 0.5 s", over  # no CPU used: a plain timeout, busy machine or not
     assert bugs.verdict([{"outcome": "failed", "message": over, "error_type": "TimeoutError"}])[0] == "timeout"
     assert not _alive(int(pid_file.read_text())), "the job's grandchild outlived it"
+
+
+def test_the_forkserver_answered_before_the_first_tests_timer_was_armed():
+    """This module imports the launcher, so this session started its forkserver after collection and armed the
+    first test's timer once it answered (the e2e tier's test_busy_machine.py shows a slow start passing)."""
+    from multiprocessing import forkserver
+
+    from distlab import pytest_plugin
+
+    assert pytest_plugin.FORKSERVER["started"] and pytest_plugin.FORKSERVER["ready_s"] is not None, \
+        pytest_plugin.FORKSERVER
+    assert forkserver._forkserver._forkserver_pid is not None, "no forkserver running"
