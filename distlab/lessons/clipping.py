@@ -172,6 +172,10 @@ def _per_element(v: Any, t: torch.Tensor) -> bool:  # exp_avg, momentum_buffer: 
     return torch.is_tensor(v) and v.shape == t.shape
 
 
+def chunks_of(optimizer: torch.optim.Optimizer, segments: dict) -> list[torch.Tensor]:
+    return [t for g in optimizer.param_groups for t in g["params"] if t in segments]
+
+
 class UnusedParameters:
     """Step each parameter's part of a flat chunk as torch steps the parameter itself.
 
@@ -182,13 +186,14 @@ class UnusedParameters:
 
     * used: the bitmap of this rank's ``local`` set, all-reduced (MAX) over ``group``, as DDP's
       find_unused_parameters does: exact, and the same on every rank. Collective: every rank's step.
-      Cost: one all-reduce of 4 bytes (int32) per parameter of the chunks it steps, and one host read.
+      Cost: one all-reduce of 4 bytes (int32) per parameter of the chunks it steps. Read on the host (one
+      sync, as DDP's) only on a rank where a parameter sat out, now or before: where each was used here at
+      every step, each was used, none is behind, and nothing else runs.
     * a parameter no rank used: its values and per-element state are put back (not decayed, no moments
       created), and its own count does not advance (``behind[p]``: the chunk's count minus its own);
     * a used one whose count is behind the chunk's (it sat out before): its part is stepped again from
       the values before the step, by the optimizer's own class on a temporary parameter with its own
-      count, state slices and group hyperparameters, and written back. When no part is behind (no
-      parameter ever sat out), nothing extra runs.
+      count, state slices and group hyperparameters, and written back.
     """
 
     def __init__(self, segments: dict[torch.Tensor, list[tuple[Any, int, int]]],
@@ -198,6 +203,7 @@ class UnusedParameters:
         every = [p for segs in segments.values() for p, _, _ in segs]
         self.updated: dict[Any, bool] = {p: False for p in every}  # stepped at least once (torch: has state)
         self.behind: dict[Any, int] = {p: 0 for p in every}        # steps of its chunk it sat out
+        self._doubt: set[Any] = set()    # not used here at a step: maybe unused, or behind (read the bitmap)
         self._saved: list = []
         self._stepped: list = []
 
@@ -206,14 +212,19 @@ class UnusedParameters:
 
     @torch.no_grad()
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        chunks = [t for g in optimizer.param_groups for t in g["params"] if t in self.segments]
+        chunks = chunks_of(optimizer, self.segments)
         if not chunks:
             return
         params = [p for t in chunks for p, _, _ in self.segments[t]]
         flags = torch.tensor([p in self.local for p in params], dtype=torch.int32, device=params[0].device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)  # used on some rank (model's device: NCCL)
-        used = dict(zip(params, map(bool, flags.tolist())))
-        self._saved, self._stepped = [], [(t, used) for t in chunks if t.grad is not None]
+        stepped = [t for t in chunks if t.grad is not None]
+        self._doubt |= {p for t in stepped for p, _, _ in self.segments[t] if p not in self.local}
+        if self._doubt.isdisjoint(params):  # used here, so everywhere, at every step: the chunk's count
+            used = dict.fromkeys(params, True)
+        else:
+            used = dict(zip(params, map(bool, flags.tolist())))  # the host waits (DDP's find_unused_parameters too)
+        self._saved, self._stepped = [], [(t, used) for t in stepped]
         for t, _ in self._stepped:
             state = optimizer.state.get(t, {})
             for p, a, b in self.segments[t]:
@@ -236,7 +247,9 @@ class UnusedParameters:
             counts = "step" in optimizer.state.get(t, {})  # a per-parameter step count (Adam's)
             for p, _, _ in self.segments[t]:
                 self.behind[p] += int(counts and not used[p])
-                self.local.discard(p)
+                if not self.behind[p] and used[p]:
+                    self._doubt.discard(p)  # used on another rank, as always before: level with its chunk
+        self.local -= {p for t in chunks_of(optimizer, self.segments) for p, _, _ in self.segments[t]}
         self._saved, self._stepped = [], []
 
     @staticmethod
@@ -275,7 +288,7 @@ class UnusedParameters:
         """After loading a state: a parameter without state there counts as never updated; saved states
         carry the chunk's step count, not each parameter's (so none counts as behind)."""
         self.updated = {p: has_state(p) for p in self.updated}
-        self.behind = {p: 0 for p in self.behind}
+        self.behind, self._doubt = {p: 0 for p in self.behind}, set()
 
 
 def chunk_segments(params: list, offsets: list[int], rank: int, world_size: int,
