@@ -9,18 +9,22 @@ code imports these names from ``distlab.launch``, whose ``__main__`` calls ``tor
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import signal
 import socket
 import sys
+import time
 import traceback
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
+from distlab import doctor_watch
 from distlab.devices import loopback_interface
-from distlab.launch_errors import (RendezvousWatch, _STORE_LOST, _launch_error_line, _resolves, _unresolved,
+from distlab.launch_errors import (RendezvousWatch, _STORE_LOST, _chain, _launch_error_line, _resolves, _unresolved,
                                    socket_ifname_problem)
 from distlab.procs import TIE_ENV, tie_to
 
@@ -54,6 +58,117 @@ class BoundTCPStore(dist.TCPStore):
                 kwargs["master_listen_fd"] = listener.fileno()
                 self._listener = listener  # the server uses the descriptor: keep it open
         super().__init__(host_name, port, *args, is_master=is_master, **kwargs)
+
+
+# --------------------------------------------------------------------------- a join deadline driven by progress
+def scaled_join_timeout(rdzv_conf: str) -> str:
+    """torchrun's ``--rdzv_conf`` with its join timeout (torch's default 600 s) times DISTLAB_TIMEOUT_SCALE."""
+    conf = dict(item.split("=", 1) for item in rdzv_conf.split(",") if "=" in item)
+    conf["join_timeout"] = f"{max(1, round(float(conf.get('join_timeout', 600)) * doctor_watch.timeout_scale()))}"
+    return ",".join(f"{key}={value}" for key, value in conf.items())
+
+
+def _peer_agents(endpoint: str) -> list[int]:
+    """Launchers on this machine (torchrun, ``distlab.launch``) naming ``endpoint`` in their command line,
+    other than this process: the nodes of this job that run here (a test's, or several agents on one host)."""
+    found = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if any(endpoint in a for a in args) and any(name in a for a in args
+                                                    for name in ("distlab.launch", "torchrun", "torch.distributed.run")):
+            found.append(pid)
+    return found
+
+
+class SlowRendezvous(RendezvousTimeoutError):
+    """The rendezvous ran past its hard cap while the missing nodes were still starting (its one line)."""
+
+
+class JoinDeadline:
+    """The join timeout of torch's c10d rendezvous, driven by progress as ``run_distributed``'s deadline is.
+
+    torch gives up on the missing nodes when the join timeout (already scaled: ``scaled_join_timeout``)
+    passes. Here, past it, the rendezvous waits while the nodes show signs of coming, up to
+    ``doctor_watch.hard_cap_s``: a node joined (or left) within the last ``WINDOW_S``, or an agent of the
+    job on this machine that has not joined yet used CPU (importing torch on a busy machine). A node
+    elsewhere shows nothing before it joins: it never came, as far as this node can tell.
+    """
+
+    WINDOW_S = 3.0  # a sign counts this long: a busy machine's peer gets the CPU in bursts, looks are 0.5 s apart
+
+    def __init__(self, timeout_s: float, endpoint: str | None) -> None:
+        self.timeout_s, self.endpoint = timeout_s, endpoint
+        self.start = time.monotonic()
+        self.cap = self.start + doctor_watch.hard_cap_s(timeout_s)
+        self.members: object = None
+        self.ticks: dict[int, int] = {}
+        self.looked = self.last_sign = self.over_at = None
+        self.slow = False
+
+    def _signs(self, state) -> bool:
+        members = (frozenset(state.participants), frozenset(state.wait_list))
+        joined = {node.pid for node in members[0] | members[1]}
+        sign = self.members is not None and members != self.members
+        self.members = members
+        peers = [p for p in _peer_agents(self.endpoint) if p not in joined] if self.endpoint else []
+        stats = {p: doctor_watch.thread_stat(p) for p in peers}
+        sign |= any(s in ("R", "D") or (p in self.ticks and t != self.ticks[p]) for p, (s, t) in stats.items())
+        self.ticks = {p: t for p, (s, t) in stats.items() if s not in ("", "Z", "X")}
+        return sign
+
+    def check(self, state) -> float:
+        """The deadline to give torch's join step: infinity while the join may wait, else when the wait ended."""
+        if self.over_at is not None:
+            return self.over_at
+        now = time.monotonic()
+        if self.looked is None or now - self.looked >= 0.5:
+            self.looked = now
+            if self._signs(state):
+                self.last_sign = now
+        if now < self.start + self.timeout_s:
+            return math.inf
+        coming = self.last_sign is not None and now - self.last_sign <= self.WINDOW_S
+        if coming and now < self.cap:
+            return math.inf
+        self.slow, self.over_at = coming, now
+        return now
+
+    def slow_line(self, joined: int, min_nodes: int) -> str:
+        return (f"slow machine ({doctor_watch.machine_load()}), not your code: rerun (or set "
+                f"{doctor_watch.TIMEOUT_SCALE_ENV}={max(2, 2 * doctor_watch.timeout_scale()):g}); {joined} of "
+                f"{min_nodes} nodes joined the rendezvous at {self.endpoint} in {self.over_at - self.start:.0f} s and "
+                f"the others were still starting")
+
+
+def progress_driven(next_rendezvous, endpoint: str | None):
+    """``DynamicRendezvousHandler.next_rendezvous`` whose join step waits by ``JoinDeadline``, not a fixed time."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousJoinOp
+
+    def joined(handler):
+        deadline = JoinDeadline(handler._settings.timeout.join.total_seconds(), endpoint)
+        run = handler._op_executor.run
+
+        def run_with(state_handler, op_deadline, update_deadline=None):
+            if isinstance(state_handler, _RendezvousJoinOp):  # torch's rollback and timeout, at our moment
+                return run(lambda ctx, _: state_handler(ctx, deadline.check(ctx.state)), op_deadline, update_deadline)
+            return run(state_handler, op_deadline, update_deadline)
+
+        handler._op_executor.run = run_with
+        try:
+            return next_rendezvous(handler)
+        except RendezvousTimeoutError as exc:
+            if deadline.slow:
+                joined_ = len(deadline.members[0]) if deadline.members else 1
+                raise SlowRendezvous(deadline.slow_line(max(1, joined_), handler._settings.min_nodes)) from exc
+            raise
+        finally:
+            del handler._op_executor.run
+
+    return joined
 
 
 class _AgentLogFilter(logging.Filter):
@@ -117,8 +232,11 @@ def torchrun(argv: list[str]) -> None:
             print(f"distlab.launch: {_unresolved(host)}", file=sys.stderr, flush=True)
             sys.exit(1)
     endpoint = None if args.standalone else args.rdzv_endpoint
+    if not args.standalone:  # DISTLAB_TIMEOUT_SCALE on the wait for the other nodes; past it, their progress
+        args.rdzv_conf = scaled_join_timeout(args.rdzv_conf)
     watch = RendezvousWatch(endpoint)
-    DynamicRendezvousHandler.next_rendezvous = watch.wrap(DynamicRendezvousHandler.next_rendezvous)
+    DynamicRendezvousHandler.next_rendezvous = watch.wrap(progress_driven(DynamicRendezvousHandler.next_rendezvous,
+                                                                          endpoint))
     quiet = _AgentLogFilter()
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api",
                  "torch.distributed.elastic.rendezvous.dynamic_rendezvous"):
@@ -144,7 +262,8 @@ def torchrun(argv: list[str]) -> None:
               f"workers were ended", file=sys.stderr, flush=True)
         sys.exit(128 + int(exc.sigval))
     except Exception as exc:
-        line = watch.timeout_line(exc) or watch.lost_line(exc) or _launch_error_line(exc, endpoint)
+        slow = next((e for e in _chain(exc) if isinstance(e, SlowRendezvous)), None)
+        line = str(slow) if slow else watch.timeout_line(exc) or watch.lost_line(exc) or _launch_error_line(exc, endpoint)
         if line is None:
             raise
         if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):

@@ -148,3 +148,69 @@ def test_the_forkserver_answered_before_the_first_tests_timer_was_armed():
     assert pytest_plugin.FORKSERVER["started"] and pytest_plugin.FORKSERVER["ready_s"] is not None, \
         pytest_plugin.FORKSERVER
     assert forkserver._forkserver._forkserver_pid is not None, "no forkserver running"
+
+
+class _State:  # torch's rendezvous state, as the join step sees it: who joined, who waits for the next round
+    def __init__(self, participants=(), wait_list=()):
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
+
+        node = {name: _NodeDesc("127.0.0.1", 1_000_000 + i, 0) for i, name in enumerate(["node0", "node1", "node2"])}
+        self.participants, self.wait_list = {node[n]: 0 for n in participants}, {node[n] for n in wait_list}
+
+
+def _join_verdict(deadline, states) -> tuple[float, float]:
+    """Run ``JoinDeadline.check`` as torch's join step does (every 50 ms here) until the wait ends."""
+    start, states = time.monotonic(), iter(states)
+    state = next(states)
+    while (over := deadline.check(state)) == float("inf"):
+        threading.Event().wait(0.05)  # the join step's polling interval
+        state = next(states, state)
+    return over - deadline.start, time.monotonic() - start
+
+
+def _agent_like(code: str, endpoint: str) -> subprocess.Popen:
+    """A process whose command line is a launcher's for ``endpoint`` (python -m distlab.launch ...), running ``code``."""
+    agent = subprocess.Popen([sys.executable, "-c", code, "distlab.launch", f"--rdzv_endpoint={endpoint}"],
+                             stdout=subprocess.PIPE)
+    agent.stdout.readline()  # it has started (python's own start-up is over): from now on it runs `code`
+    return agent
+
+
+@pytest.mark.parametrize("peer, slow", [("print(flush=True)\nwhile True: pass", True),
+                                        ("import time\nprint(flush=True)\ntime.sleep(60)", False)],
+                         ids=["spinning", "asleep"])
+def test_the_rendezvous_waits_for_a_node_still_starting_on_this_machine_and_says_slow(peer, slow, monkeypatch):
+    """launch_agent's join deadline: past the (scaled) join timeout, a node of the job that is still starting here
+    (its agent using CPU, as when it imports torch on a busy machine) is waited for up to the hard cap, then said
+    slow and nobody is blamed; a node that is not progressing (asleep) is missing at the join timeout, as before."""
+    from distlab.launch_agent import JoinDeadline
+    from distlab.procs import kill_process_tree
+
+    monkeypatch.setattr(doctor_watch, "HARD_CAP", 3)  # 3 x 0.5 s: the cap in 1.5 s, to keep the test cheap
+    endpoint = f"127.0.0.1:{os.getpid() % 30000 + 30000}"
+    child = _agent_like(peer, endpoint)
+    try:
+        deadline = JoinDeadline(0.5, endpoint)
+        at, took = _join_verdict(deadline, [_State(["node0"])])
+    finally:
+        kill_process_tree(child.pid)
+        child.wait()
+    assert deadline.slow == slow and (1.5 <= at < 3 if slow else 0.5 <= at < 1.5), (deadline.slow, at)
+    if slow:
+        assert re.match(rf"slow machine \(load \d+\.\d on \d+ cores?\), not your code: rerun \(or set "
+                        rf"DISTLAB_TIMEOUT_SCALE=2\); 1 of 2 nodes joined the rendezvous at {endpoint} in \d+ s and the "
+                        rf"others were still starting$", deadline.slow_line(1, 2)), deadline.slow_line(1, 2)
+
+
+def test_the_rendezvous_waits_while_nodes_keep_joining(monkeypatch):
+    """A node that joins is a sign that the rest are coming (slowly): the wait goes on for JoinDeadline.WINDOW_S
+    past it, and ends when the nodes stop coming."""
+    from distlab.launch_agent import JoinDeadline
+
+    monkeypatch.setattr(JoinDeadline, "WINDOW_S", 1.0)  # 1 s, not 3, to keep the test cheap
+    deadline = JoinDeadline(0.5, None)  # its hard cap: 5 s
+    joining = [_State(["node0"])] * 6 + [_State(["node0", "node1"])]
+    at, _ = _join_verdict(deadline, joining)
+    # node1 joined ~0.3 s in (seen at the look at 0.5 s): the wait ends WINDOW_S (1 s) after that look, not at
+    # the 0.5 s timeout, and before the cap (the bound allows a look late by 1 s on a busy machine)
+    assert not deadline.slow and 1.5 <= at < 2.5, at
