@@ -214,3 +214,54 @@ def test_the_rendezvous_waits_while_nodes_keep_joining(monkeypatch):
     # node1 joined ~0.3 s in (seen at the look at 0.5 s): the wait ends WINDOW_S (1 s) after that look, not at
     # the 0.5 s timeout, and before the cap (the bound allows a look late by 1 s on a busy machine)
     assert not deadline.slow and 1.5 <= at < 2.5, at
+
+
+_SLOW_AGENT = """import runpy, sys, time
+start = time.thread_time()
+while time.thread_time() - start < {spin_s}:  # a node still starting (importing torch on a busy machine): CPU
+    pass
+sys.argv = ["distlab.launch", *sys.argv[1:]]
+runpy.run_module("distlab.launch", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.e2e  # 20-40 s: two agents, each importing torch, one of them late on purpose
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("late", ["late", "never"])
+def test_a_node_starting_late_on_this_machine_is_waited_for_not_reported_missing(late, tmp_path):
+    """Two nodes on one machine, join timeout 3 s (times the scale): node 1 spends longer than that starting, so
+    with torch's fixed join timeout node 0 said "only 1 of 2 nodes joined the rendezvous ... within 3 s". Now
+    node 0 sees node 1's agent progressing and waits for it: the job runs on both nodes. A node 1 that keeps
+    starting past the hard cap (10 x 3 s) is said slow, and nobody is blamed."""
+    from distlab.deadlines import timeout_scale
+    from distlab.devices import free_port
+    from distlab.procs import kill_process_tree, marked_environ
+
+    worker = tmp_path / "worker.py"
+    worker.write_text("import os\nprint(f\"rank {os.environ['RANK']} ran\", flush=True)\n")
+    port, marker, repo = free_port(), os.urandom(8).hex(), os.path.dirname(os.path.dirname(__file__))
+    procs = []
+    for node in (0, 1):
+        args = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                f"--rdzv_id=late-{port}", f"--rdzv_conf=is_host={'true' if node == 0 else 'false'},join_timeout=3",
+                str(worker)]
+        spin_s = 4 * timeout_scale() if late == "late" else 3600  # "never": past any cap
+        launcher = ["-m", "distlab.launch"] if node == 0 else ["-c", _SLOW_AGENT.format(spin_s=spin_s)]
+        env = {**marked_environ(marker), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, *launcher, *args], cwd=repo, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
+    try:
+        outs = [p.communicate(timeout=180)[0] for p in (procs if late == "late" else procs[:1])]
+    finally:
+        for p in procs:
+            kill_process_tree(p.pid, marker)
+            p.wait()
+    if late == "never":
+        last = outs[0].strip().splitlines()[-1]
+        assert procs[0].returncode == 1 and re.match(
+            rf"distlab\.launch: slow machine \(load \d+\.\d on \d+ cores?\), not your code: rerun \(or set "
+            rf"DISTLAB_TIMEOUT_SCALE=\d+\); 1 of 2 nodes joined the rendezvous at 127\.0\.0\.1:{port} in \d+ s "
+            rf"and the others were still starting$", last), outs[0][-3000:]
+        return
+    for node, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and re.search(r"rank \d ran", out), f"node {node} ({p.returncode}):\n{out[-3000:]}"
