@@ -16,13 +16,14 @@ is a collective. The course's wrappers (phase3_multi_node/zero.py, fsdp.py):
   the line to change, and code that reads ``p.grad`` otherwise (``is None``, shapes, ``zero_``) works.
 
 Unused parameters: torch leaves ``.grad`` None for a parameter no rank used, so AdamW neither decays
-it nor creates state for it. The wrappers' flat chunks hold such a parameter with a zero gradient, and
-the optimizer steps a chunk as a whole: ``UnusedParameters`` puts the elements of a parameter this rank
-did not use back as they were around the step (values and per-element state) when its averaged
-gradient is exactly zero, i.e. no rank used it. No communication and no host sync (``torch.where`` on
-a device flag). Differences left: a parameter used on some rank whose averaged gradient is exactly
-zero on every element of this rank's chunk is skipped here (torch steps it with a zero gradient), and
-a chunk's step count (Adam's bias correction) advances for every parameter in it.
+it nor creates state for it, and its own ``step`` count does not advance. The wrappers' flat chunks hold
+such a parameter with a zero gradient, and the optimizer steps a chunk as a whole: ``UnusedParameters``
+learns which parameters some rank used from a used bitmap all-reduced in every step (DDP's
+find_unused_parameters; 4 B per parameter, read on the host only where a parameter sat out), puts back
+the values and per-element state of those no rank used, and steps a used parameter whose count fell
+behind its chunk's (it sat out before) again with its own count, by the optimizer's own class: the
+steps of torch's optimizer on the parameters, bitwise (tests/test_phase3_torch_conformance.py).
+Left: state dicts carry the chunk's step count for each parameter, not its own.
 Guide: phase3_multi_node/guidelines_ddp_zero.md#gradient-clipping-and-unused-parameters.
 """
 from __future__ import annotations
