@@ -103,12 +103,21 @@ def _worker_save(rank, world_size, tmp, asynchronous):
         gate.wait(timeout=30)
         lesson.write_file(obj, path)
 
+    # The test's own copy of this rank's local pieces at the save (DTensor.to_local, not the lesson's code).
+    at_save = {k: (v.to_local() if isinstance(v, DTensor) else v).detach().clone()
+               for k, v in lesson.flatten(state).items() if torch.is_tensor(v)}
     handle = lesson.async_save_sharded(state, Path(tmp) / "ours", write=gated_write)
     _train(model, opt, rank, world_size, steps=2, first=2)  # the next steps run while it saves
     pending = not handle.done()
     gate.set()
     handle.wait()
     assert pending, f"rank {rank}: the save had finished before the training steps were over (not async)"
+    # Written after two more steps, yet a snapshot: bitwise the values at the save (a copy reorders no sum).
+    for key, piece in torch.load(Path(tmp) / "ours" / f"rank{rank}.pt", weights_only=True).items():
+        if not torch.equal(piece, at_save[key]):
+            raise AssertionError(f"rank {rank}: rank{rank}.pt holds {key} as it was after the later steps "
+                                 f"(max abs diff {max_abs_diff(piece, at_save[key]):.3e} from the save's): the "
+                                 "pieces are views of the live tensors; copy them (.detach().clone()) when saving")
     after = _unsharded(_state(model, opt), lesson)
     assert max_abs_diff(after["model/a.weight"], reference["model/a.weight"]) > 1e-4, \
         f"rank {rank}: the steps after the save did not change the weights, the test proves nothing"
