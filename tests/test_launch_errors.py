@@ -197,14 +197,17 @@ def test_node_0_lost_mid_run_is_said_as_lost_not_as_a_start_that_failed(tmp_path
 def test_a_node_waiting_for_the_others_says_so_and_ends_in_one_line():
     """NNODES=2 with one node started: silence for torchrun's 600 s join timeout, then 41 lines ending
     in a bare RendezvousTimeoutError. Now a line every interval while it waits, then one line.
-    (RDZV_TIMEOUT=4: the interval is 1 s at 20 s or less, 30 s at torch's default 600 s.)"""
-    port = free_port()
+    (RDZV_TIMEOUT=4: the interval is 1 s at 20 s or less, 30 s at torch's default 600 s; times DISTLAB_TIMEOUT_SCALE.)"""
+    from distlab.deadlines import timeout_scale
+
+    port, join_s = free_port(), max(1, round(4 * timeout_scale()))  # distlab.launch_agent.scaled_join_timeout
     code, out = _run([str(ENTRYPOINT), "--numel", "64"],
                      _clean_env(RUN_MODE="comm", NPROC="1", NNODES="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1",
                                 MASTER_PORT=str(port), RDZV_ID=f"alone-{port}", RDZV_TIMEOUT="4"), timeout_s=60)
-    _assert_ends_with_one_line(code, out, f"only 1 of 2 nodes joined the rendezvous at 127.0.0.1:{port} within 4 s")
+    _assert_ends_with_one_line(code, out, f"only 1 of 2 nodes joined the rendezvous at 127.0.0.1:{port} within "
+                                          f"{join_s} s")
     waiting = re.findall(rf"^distlab\.launch: waiting for 1 of 2 nodes at 127\.0\.0\.1:{port} \(1 joined\), "
-                         rf"(\d+) s of 4$", out, re.M)
+                         rf"(\d+) s of {join_s}$", out, re.M)
     assert len(waiting) >= 2 and waiting == sorted(waiting, key=int), f"no progress while it waited:\n{out[-3000:]}"
     rest = [line for line in out.strip().splitlines()[:-1]
             if not line.startswith(("entrypoint.sh: RUN_MODE=", "distlab.launch: waiting for"))]
