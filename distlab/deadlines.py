@@ -2,7 +2,11 @@
 
 Torch-free, so that the cockpit reads it before anything heavy loads; distlab/doctor_watch.py applies it to the
 launcher's deadlines (a run's, the hang delay, the process group's, the torchrun watchdog's, each test's
-pytest-timeout) and distlab/cockpit/warm.py to the warm launcher's start.
+pytest-timeout), distlab/cockpit/warm.py to the warm launcher's start, distlab/launch_agent.py to the rendezvous'
+wait for the other nodes (torchrun's join timeout) and procs.Deadline to a job's (a torchrun job's in phase 4's
+tests, each seeded bug's nested pytest in distlab/bugs.py). Past each deadline, a run or job still progressing on
+a busy machine is waited for up to doctor_watch.hard_cap_s, then said slow ("slow machine (load ...), not your
+code: rerun"), never blamed.
 """
 from __future__ import annotations
 

@@ -3,7 +3,9 @@
 ``torchrun(argv)`` is ``torchrun ARGV`` (``entrypoint.sh`` runs it through ``python -m distlab.launch``)
 whose rendezvous store listens only on the address it names (``BoundTCPStore``), and whose failures
 end in a few lines: the failing rank's error, or the launch error (``distlab.launch_errors``) with
-its fix; a line every 30 s while it waits for the other nodes; one line for a Ctrl-C. The course's
+its fix; a line every 30 s while it waits for the other nodes; one line for a Ctrl-C. The wait for the
+other nodes follows progress (``JoinDeadline``): the join timeout times DISTLAB_TIMEOUT_SCALE, then longer while
+the nodes keep coming, and a node still starting at the hard cap is said slow, not missing. The course's
 code imports these names from ``distlab.launch``, whose ``__main__`` calls ``torchrun``.
 """
 from __future__ import annotations
@@ -78,8 +80,8 @@ def _peer_agents(endpoint: str) -> list[int]:
                 args = f.read().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if any(endpoint in a for a in args) and any(name in a for a in args
-                                                    for name in ("distlab.launch", "torchrun", "torch.distributed.run")):
+        launchers = ("distlab.launch", "torchrun", "torch.distributed.run")
+        if any(endpoint in a for a in args) and any(name in a for a in args for name in launchers):
             found.append(pid)
     return found
 
@@ -199,7 +201,8 @@ def torchrun(argv: list[str]) -> None:
     A start that fails ends with one line naming the cause and the fix, not torch's ~40-line
     traceback (``DISTLAB_TRACEBACK=1`` prints it above, with torch's C++ log): MASTER_PORT in use on
     node 0, node 0 not answering at MASTER_ADDR:MASTER_PORT, MASTER_ADDR not resolving, nodes
-    missing when the rendezvous times out (``RendezvousWatch``; a line every 30 s while it waits),
+    missing when the rendezvous times out (``RendezvousWatch``; a line every 30 s while it waits; past the
+    scaled join timeout it waits on while nodes keep coming, ``JoinDeadline``, then says "slow machine ..."),
     and (exit code 2, before any worker starts) GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME naming no
     interface of this machine. Node 0 lost after the job started is said as such (``lost_line``),
     not as a start that failed. Ctrl-C (SIGINT, or SIGTERM) ends the job with one line and exit
@@ -263,7 +266,8 @@ def torchrun(argv: list[str]) -> None:
         sys.exit(128 + int(exc.sigval))
     except Exception as exc:
         slow = next((e for e in _chain(exc) if isinstance(e, SlowRendezvous)), None)
-        line = str(slow) if slow else watch.timeout_line(exc) or watch.lost_line(exc) or _launch_error_line(exc, endpoint)
+        line = str(slow) if slow else (watch.timeout_line(exc) or watch.lost_line(exc)
+                                       or _launch_error_line(exc, endpoint))
         if line is None:
             raise
         if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):

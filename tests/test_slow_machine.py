@@ -169,7 +169,7 @@ def _join_verdict(deadline, states) -> tuple[float, float]:
 
 
 def _agent_like(code: str, endpoint: str) -> subprocess.Popen:
-    """A process whose command line is a launcher's for ``endpoint`` (python -m distlab.launch ...), running ``code``."""
+    """A process whose command line is a launcher's for ``endpoint`` (like distlab.launch's), running ``code``."""
     agent = subprocess.Popen([sys.executable, "-c", code, "distlab.launch", f"--rdzv_endpoint={endpoint}"],
                              stdout=subprocess.PIPE)
     agent.stdout.readline()  # it has started (python's own start-up is over): from now on it runs `code`
@@ -198,8 +198,8 @@ def test_the_rendezvous_waits_for_a_node_still_starting_on_this_machine_and_says
     assert deadline.slow == slow and (1.5 <= at < 3 if slow else 0.5 <= at < 1.5), (deadline.slow, at)
     if slow:
         assert re.match(rf"slow machine \(load \d+\.\d on \d+ cores?\), not your code: rerun \(or set "
-                        rf"DISTLAB_TIMEOUT_SCALE=2\); 1 of 2 nodes joined the rendezvous at {endpoint} in \d+ s and the "
-                        rf"others were still starting$", deadline.slow_line(1, 2)), deadline.slow_line(1, 2)
+                        rf"DISTLAB_TIMEOUT_SCALE=2\); 1 of 2 nodes joined the rendezvous at {endpoint} in \d+ s "
+                        rf"and the others were still starting$", deadline.slow_line(1, 2)), deadline.slow_line(1, 2)
 
 
 def test_the_rendezvous_waits_while_nodes_keep_joining(monkeypatch):
