@@ -205,6 +205,7 @@ class UnusedParameters:
         self.updated: dict[Any, bool] = {p: False for p in every}  # stepped at least once (torch: has state)
         self.behind: dict[Any, int] = {p: 0 for p in every}        # steps of its chunk it sat out
         self._doubt: set[Any] = set()    # not used here at a step: maybe unused, or behind (read the bitmap)
+        self._recount: set[Any] = set()  # loaded without state: behind by the chunk's count
         self._saved: list = []
         self._stepped: list = []
 
@@ -220,6 +221,11 @@ class UnusedParameters:
         flags = torch.tensor([p in self.local for p in params], dtype=torch.int32, device=params[0].device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)  # used on some rank (model's device: NCCL)
         stepped = [t for t in chunks if t.grad is not None]
+        for t, p in [(t, p) for t in stepped for p, _, _ in self.segments[t] if p in self._recount]:
+            step = optimizer.state.get(t, {}).get("step", 0)  # the chunk's count (torch's own: 0, no state)
+            self.behind[p] = int(step)
+            self._doubt.add(p)
+            self._recount.discard(p)
         self._doubt |= {p for t in stepped for p, _, _ in self.segments[t] if p not in self.local}
         if self._doubt.isdisjoint(params):  # used here, so everywhere, at every step: the chunk's count
             used = dict.fromkeys(params, True)
@@ -286,10 +292,12 @@ class UnusedParameters:
         return {n: s for n, s in state.items() if n not in drop}
 
     def loaded(self, has_state: Callable[[Any], bool]) -> None:
-        """After loading a state: a parameter without state there counts as never updated; saved states
-        carry the chunk's step count, not each parameter's (so none counts as behind)."""
+        """After loading a state: a parameter without state there counts as never updated, its own count
+        0 (behind by the chunk's, read at the next step); saved states carry the chunk's step count, not
+        each parameter's, so one with state counts as level with its chunk."""
         self.updated = {p: has_state(p) for p in self.updated}
         self.behind, self._doubt = {p: 0 for p in self.behind}, set()
+        self._recount = {p for p, u in self.updated.items() if not u}
 
 
 def chunk_segments(params: list, offsets: list[int], rank: int, world_size: int,
