@@ -127,7 +127,8 @@ class JoinDeadline:
         if self.over_at is not None:
             return self.over_at
         now = time.monotonic()
-        if self.looked is None or now - self.looked >= 0.5:
+        # Signs are looked for from WINDOW_S before the timeout on (a /proc scan every 0.5 s, not for 600 s)
+        if now >= self.start + self.timeout_s - self.WINDOW_S and (self.looked is None or now - self.looked >= 0.5):
             self.looked = now
             if self._signs(state):
                 self.last_sign = now
