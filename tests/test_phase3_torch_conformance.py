@@ -650,7 +650,7 @@ class _SitOut(nn.Module):
         return self.fc2(h + torch.tanh(self.extra(h)) if extra else h)
 
 
-EXTRA_USED = (False, True, True, False, False, True)  # out before its first step (no state), in, out, back
+EXTRA_USED = (False, True, False, True)  # out before its first step (no state), in, out, back
 
 
 def _sit_out_inputs(step: int, rank: int, world_size: int, scenario: str) -> tuple:
