@@ -133,6 +133,20 @@ class Deadline:
         return doctor_watch.slow_machine(None, now - self.start) if now >= self.cap else None
 
 
+def communicate(proc: subprocess.Popen, timeout_s: float | None) -> tuple[bytes | str | None, str | None]:
+    """``proc.communicate()`` under a ``Deadline`` of ``timeout_s`` (None: none): ``(output, None)``, or when the
+    deadline passes (a plain timeout, or the slow machine's cap) the process is killed: ``(output, why)``."""
+    deadline = Deadline([proc.pid], timeout_s) if timeout_s else None
+    while True:
+        try:
+            return proc.communicate(timeout=0.5)[0], None
+        except subprocess.TimeoutExpired:  # retrying loses no output
+            why = deadline.passed() if deadline else None
+            if why is not None:
+                proc.kill()
+                return proc.communicate()[0], why or f"ended after {round(deadline.timeout_s, 1):g} s"
+
+
 def _alive(pid: int) -> bool:
     """Running or stopped (a zombie counts as gone: it only waits to be reaped)."""
     return doctor.thread_stat(pid)[0] not in ("", "Z", "X")

@@ -265,3 +265,23 @@ def test_a_node_starting_late_on_this_machine_is_waited_for_not_reported_missing
         return
     for node, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0 and re.search(r"rank \d ran", out), f"node {node} ({p.returncode}):\n{out[-3000:]}"
+
+
+def test_the_graders_job_still_progressing_on_a_busy_machine_is_said_slow_not_killed_at_its_timeout(busy_core,
+                                                                                                    monkeypatch):
+    """The grader's outer pytest (grade.run_and_reap) and each grading jail (jail.run) ended at a fixed
+    timeout, and every test then read "sent no outcome": a student charged for the machine's load. Both now
+    wait through procs.communicate, as run_distributed's deadline waits."""
+    from distlab import procs
+    from distlab.grading import grade
+
+    monkeypatch.setattr(doctor_watch, "HARD_CAP", 3)  # waited for 3 s, not 10, to keep the test cheap
+    start = time.monotonic()
+    code = grade.run_and_reap([sys.executable, "-c", _SPIN_ON.format(core=busy_core)], timeout_s=1)
+    assert re.match(r"killed: slow machine \(load \d+\.\d on \d+ cores?\), not your code: rerun .*"
+                    r"; its processes were still making progress after 3 s$", code), code
+    assert time.monotonic() - start < 8, "waited past the hard cap (3 s) and two looks"
+    proc = subprocess.Popen([sys.executable, "-c", "import time\nprint('started', flush=True)\ntime.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True)
+    out, why = procs.communicate(proc, 0.5)  # the jail's wait: no progress, so its plain deadline
+    assert why == "ended after 0.5 s" and out == "started\n" and proc.returncode is not None, (out, why)

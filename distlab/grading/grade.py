@@ -71,16 +71,16 @@ def run_and_reap(cmd: list[str], timeout_s: float) -> int | str:
     pytest runs in a new session, but the ranks and torchrun workers it starts may leave that
     session (torchrun gives each worker its own), so the whole tree is killed: descendants
     through /proc and strays through an environment marker every process of the run inherits.
-    Returns the exit code, or "killed after N s".
+    Returns the exit code, or "killed: ended after N s" (N scaled; "killed: slow machine ..." when it was
+    still progressing at the hard cap).
     """
-    from distlab.procs import kill_process_tree, marked_environ  # (torch.distributed, through the doctor)
+    from distlab.procs import communicate, kill_process_tree, marked_environ  # (torch.distributed, through the doctor)
 
     marker = uuid.uuid4().hex
     proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, env=marked_environ(marker))
-    try:
-        returncode: int | str = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        returncode = f"killed after {timeout_s:.0f} s"
+    try:  # scaled, and waited past while still progressing on a busy machine (procs.Deadline)
+        _, why = communicate(proc, timeout_s)
+        returncode: int | str = proc.returncode if why is None else f"killed: {why}"
     finally:
         kill_process_tree(proc.pid, marker)
         try:
