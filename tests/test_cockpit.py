@@ -464,6 +464,18 @@ def test_a_slow_warm_start_is_one_line_scaled_by_the_timeout_scale(copy: Path, m
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def test_a_check_past_its_limit_is_one_line_scaled_by_the_timeout_scale(copy: Path, monkeypatch, capsys):
+    """A cold check's pytest past its limit was subprocess's TimeoutExpired traceback, at a limit no scale moved."""
+    from distlab.cockpit import cli
+    from distlab.deadlines import TIMEOUT_SCALE_ENV
+
+    monkeypatch.setenv(TIMEOUT_SCALE_ENV, "2")
+    monkeypatch.setattr(checks, "TIMEOUT_S", 0.005)  # pytest cannot even start in 10 ms: the slow check
+    assert cli.main(["check", "1.4-1.5", "--root", str(copy)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did not end within 0 s" in err[0] and f"{TIMEOUT_SCALE_ENV}=3" in err[0], err
+
+
 def test_a_learner_session_through_the_manifest(copy: Path, monkeypatch):
     """Phase 1 as the manifest lists it: next names each exercise in turn with the manifest's TODOs and
     section, the guide and a hint answer for it, its regions get the solution, a (stubbed) passing check

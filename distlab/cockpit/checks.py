@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from distlab.cockpit.course import REPO, Exercise, record_check, test_files
+from distlab.deadlines import TIMEOUT_SCALE_ENV, timeout_scale
 
 TIMEOUT_S = 600.0  # a whole exercise; a hung test is ended sooner by pytest-timeout (pyproject.toml)
 # distlab.procs.TIE_ENV: pytest (and every rank it starts) dies with this process. Spelled out,
@@ -64,12 +65,17 @@ def run_check(ex: Exercise, root: Path, trace_dir: Path | None = None, repo: Pat
             clear_raw(trace_dir)  # this check's worlds only; the trace's own files, nothing else of the folder
             env[TRACE_ENV] = str(Path(trace_dir).resolve())
         cmd = pytest_command(ex, root, results, repo)
+        limit = TIMEOUT_S * timeout_scale()  # its tests' own timeouts are scaled alike
         if warm and root.resolve() == repo.resolve():
             from distlab.cockpit import warm as launcher
 
-            proc = launcher.run(root, repo, cmd, env, repo, TIMEOUT_S)
+            proc = launcher.run(root, repo, cmd, env, repo, limit)
         else:
-            proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+            try:
+                proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=limit)
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"the check of {ex.name} did not end within {limit:.0f} s: a slow machine? rerun, "
+                                   f"or set {TIMEOUT_SCALE_ENV}=3 to wait longer") from None
         if not results.is_file():
             raise RuntimeError(f"pytest ended ({proc.returncode}) without results for {ex.name}:\n"
                                f"{proc.stdout[-3000:]}{proc.stderr[-2000:]}")

@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             guide(args.id, root, out)
         elif args.command == "dev":
             return dev_check(course.REPO, out)
-    except (ValueError, launcher.NotStarted) as exc:
+    except (ValueError, TimeoutError, launcher.NotStarted) as exc:  # one line: what to change
         print(f"distlab {args.command}: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `python -m distlab status | head`: the reader has all it wants
