@@ -7,7 +7,9 @@ the reference and the tests sit beside the submission, as on Gradescope, and a c
 writes files can only spoil the scratch copy), and must score 0 for its exercise with a
 one-line reason. Cheats on different template files share a grading run (four per run), three runs go side by
 side, and each exercise runs one cheap test (-k): the reason is what is checked, not the whole exercise.
-What stops each one is in README.md's grading section.
+Every round is graded a second time through an instructor's own command, ``pytest --impl templates
+--student-dir=...`` run from the unpacked bundle (the local path): 0 again, for the same reason, and the bundle
+as it was. What stops each one is in README.md's grading section.
 
 The tests that grade whole submissions (the catalogue, the locked-down bundle, untouched, honest
 and duplicate uploads, a rank's reported pass checked by the grader's process: about a minute of
