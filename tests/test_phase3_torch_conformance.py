@@ -650,13 +650,15 @@ class _SitOut(nn.Module):
         return self.fc2(h + torch.tanh(self.extra(h)) if extra else h)
 
 
-EXTRA_USED = (False, True, False, True)  # out before its first step (no state), in, out, back
+EXTRA_USED = {"sit_out": (False, True, False, True),  # out before its first step (no state), in, out, back
+              "reload": (True, False, True, True)}    # in, out (behind by 1, with state): saved, loaded; back
+RELOADED_AFTER = 1  # "reload": the optimizer state saved after this step, loaded into fresh wrappers
 
 
 def _sit_out_inputs(step: int, rank: int, world_size: int, scenario: str) -> tuple:
     g = torch.Generator().manual_seed(200 + step)
     x, y, tokens = torch.randn(8, 6, generator=g), torch.randint(3, (8,), generator=g), torch.randint(4, (8,), generator=g)
-    extra = EXTRA_USED[step] if scenario == "sit_out" else True
+    extra = EXTRA_USED[scenario][step] if scenario in EXTRA_USED else True
     # "one_rank": only rank 0's samples carry tokens (rows 0-3): rank 1 never uses the embedding
     tokens = shard(tokens, rank, world_size) if scenario == "one_rank" and rank == 0 else None
     return shard(x, rank, world_size), shard(y, rank, world_size), tokens, extra
@@ -675,7 +677,7 @@ def _worker_unused(rank: int, world_size: int, scenario: str) -> None:
     fsdp = load(PHASE, "fsdp").FullyShardedDataParallel(seeded(_SitOut, rank))
     contenders["FSDP"] = (fsdp, torch.optim.AdamW(fsdp.parameters(), **adamw))
     n_params = len(list(baseline.parameters()))
-    for step in range(len(EXTRA_USED)):
+    for step in range(len(EXTRA_USED["sit_out"])):
         grads = []
         for r in range(world_size):  # every rank's gradient, as DDP with find_unused_parameters sees them
             base_opt.zero_grad(set_to_none=True)
@@ -693,7 +695,7 @@ def _worker_unused(rank: int, world_size: int, scenario: str) -> None:
             with CommLedger() as ledger:
                 opt.step()
             opt.zero_grad(set_to_none=True)
-            state = _full_state(model, world_size) if name == "FSDP" else model.state_dict()
+            state = _full_state(model, world_size) if name.startswith("FSDP") else model.state_dict()
             for key, t in expected.items():
                 # Sums of two terms and halvings are exact, AdamW elementwise: bitwise, stepped whole or in parts
                 assert_tensors_close(state[key], t, f"rank {rank}, {name}, step {step}, {key} ({scenario})",
@@ -705,6 +707,46 @@ def _worker_unused(rank: int, world_size: int, scenario: str) -> None:
                          f"rank {rank}, {name}, step {step}: all-reduces in step {ar}", baseline=False)
             if step == 0:  # a state dict round trip while extra has never stepped (torch: no state, count 0)
                 _reload_optimizer(model, opt)
+        if scenario == "reload" and step == RELOADED_AFTER:  # extra is behind its chunk by 1, with state
+            contenders.update(_fresh_contenders(contenders, base_opt, baseline, rank))
+
+
+def _fresh_contenders(contenders: dict, base_opt, baseline: nn.Module, rank: int) -> dict:
+    """Fresh models and optimizers loading each saved format of each contender's state, and torch's own."""
+    import copy
+    from distlab.lessons.flat_shards import load_optimizer_state_dict, optimizer_state_dict
+    adamw, out = dict(lr=0.05, weight_decay=0.1), {}
+    torch_state = copy.deepcopy(base_opt.state_dict())  # AdamW on the unwrapped model: its own step per parameter
+    names = [n for n, _ in baseline.named_parameters()]
+    for name, (model, opt) in contenders.items():
+        if name == "FSDP":
+            saved = {"full": optimizer_state_dict(model, opt, full=True), "sharded": optimizer_state_dict(model, opt),
+                     "torch's": {"state": {names[i]: s for i, s in torch_state["state"].items()},
+                                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                                                  for g in torch_state["param_groups"]]}}
+            for fmt, state in saved.items():
+                fresh = load(PHASE, "fsdp").FullyShardedDataParallel(seeded(_SitOut, rank + 10))
+                fresh.load_state_dict(model.state_dict())
+                fresh_opt = torch.optim.AdamW(fresh.parameters(), **adamw)
+                load_optimizer_state_dict(fresh, fresh_opt, copy.deepcopy(state))
+                out[f"FSDP, {fmt} state loaded"] = (fresh, fresh_opt)
+            continue
+        opt.consolidate_state_dict(to=0)  # ZeRO: rank 0 gets torch's format; every rank loads it
+        consolidated = [opt.state_dict() if rank == 0 else None]
+        dist.broadcast_object_list(consolidated, src=0)
+        saved = {"consolidated": consolidated[0], "sharded": opt.sharded_state_dict(), "torch's": torch_state}
+        # per-parameter formats load into any layout: also one 1 KB bucket, where extra's own count (1)
+        # is below its chunk's (2, the largest of the others'): extra is behind by the difference
+        loads = [*[(fmt, state, 1) for fmt, state in saved.items()],
+                 *[(fmt, saved[fmt], 1000) for fmt in ("consolidated", "torch's") if opt.stage == 1]]
+        for fmt, state, bucket_bytes in loads:
+            fresh = seeded(_SitOut, rank + 10)
+            fresh.load_state_dict(model.state_dict())
+            fresh_opt = load(PHASE, "zero").ZeroOptimizer(fresh.parameters(), torch.optim.AdamW, stage=opt.stage,
+                                                          bucket_size_mb=bucket_bytes / 2**20, **adamw)
+            fresh_opt.load_state_dict(copy.deepcopy(state))
+            out[f"{name}{', one bucket' if bucket_bytes > 1 else ''}, {fmt} state loaded"] = (fresh, fresh_opt)
+    return out
 
 
 def _reload_optimizer(model: nn.Module, optimizer) -> None:
@@ -720,6 +762,14 @@ def test_sharded_wrappers_step_a_parameter_back_from_sitting_out_with_its_own_co
     # extra sits out (no rank uses it) before its first step and later: torch keeps its own step count,
     # so when it comes back Adam's bias correction uses that count, not the chunk's (which advanced)
     run_distributed(_worker_unused, WORLD_SIZE, "sit_out")
+
+
+@pytest.mark.exercise("3.15-3.18")
+def test_sharded_wrappers_saved_and_loaded_behind_keep_a_parameters_own_count_as_torch_adamw():
+    # extra is used, sits out (behind its chunk by 1, with state), the state is saved (ZeRO: consolidated and
+    # sharded; FSDP: full and sharded; and torch's own AdamW's) and loaded into fresh wrappers, and extra comes
+    # back: torch's saved step is its own count, so the comeback step's bias correction must use it
+    run_distributed(_worker_unused, WORLD_SIZE, "reload")
 
 
 @pytest.mark.exercise("3.15-3.18")

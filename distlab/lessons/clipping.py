@@ -23,7 +23,8 @@ find_unused_parameters; 4 B per parameter, read on the host only where a paramet
 the values and per-element state of those no rank used, and steps a used parameter whose count fell
 behind its chunk's (it sat out before) again with its own count, by the optimizer's own class: the
 steps of torch's optimizer on the parameters, bitwise (tests/test_phase3_torch_conformance.py).
-Left: state dicts carry the chunk's step count for each parameter, not its own.
+Saved per-parameter states carry each parameter's own count, sharded ones ``behind`` beside the chunk's;
+a loaded chunk counts its parameters' largest, and each is behind by the difference (``loaded``).
 Guide: phase3_multi_node/guidelines_ddp_zero.md#gradient-clipping-and-unused-parameters.
 """
 from __future__ import annotations
@@ -291,13 +292,36 @@ class UnusedParameters:
         drop = {n for u in units for p, n in zip(u.params, u.names) if p in never}
         return {n: s for n, s in state.items() if n not in drop}
 
-    def loaded(self, has_state: Callable[[Any], bool]) -> None:
+    def own_count(self, p: Any, key: str, value: Any) -> Any:
+        """A saved per-parameter state's ``value`` of ``key``: for ``"step"``, p's own count (its chunk's
+        less the steps p sat out, as torch's optimizer counts it); a copy of anything else."""
+        value = value - self.behind.get(p, 0) if key == "step" else value
+        return value.clone() if torch.is_tensor(value) else value
+
+    def loaded(self, has_state: Callable[[Any], bool], own: Callable[[Any], Any] | None = None,
+               behind: dict[Any, int] | None = None) -> None:
         """After loading a state: a parameter without state there counts as never updated, its own count
-        0 (behind by the chunk's, read at the next step); saved states carry the chunk's step count, not
-        each parameter's, so one with state counts as level with its chunk."""
+        0 (behind by the chunk's, read at the next step). One with state is behind by ``behind[p]`` (a
+        sharded state's), or by its chunk's count (the largest own count of its parameters with state:
+        ``chunk_count``) less ``own(p)``, its own (a per-parameter state's ``"step"``), else by none."""
         self.updated = {p: has_state(p) for p in self.updated}
         self.behind, self._doubt = {p: 0 for p in self.behind}, set()
         self._recount = {p for p, u in self.updated.items() if not u}
+        for segs in self.segments.values():
+            counts = {p: float(own(p)) for p, _, _ in segs if own and self.updated[p] and own(p) is not None}
+            for p, _, _ in segs:
+                n = behind.get(p, 0) if behind is not None else max(counts.values()) - counts[p] if p in counts else 0
+                if self.updated[p] and n:
+                    self.behind[p] = int(n)
+                    self._doubt.add(p)  # the used bitmap is read while it is behind
+
+
+def chunk_count(states: list[dict | None], key: str) -> Any:
+    """A chunk's per-tensor state ``key`` from its parameters' saved ``states`` (None: no state): for a step
+    count, the largest (a parameter that sat out steps has a smaller own count); else the first's."""
+    values = [s[key] for s in states if s is not None and key in s]
+    value = max(values, key=float) if key == "step" else values[0]
+    return value.clone() if torch.is_tensor(value) else value
 
 
 def chunk_segments(params: list, offsets: list[int], rank: int, world_size: int,

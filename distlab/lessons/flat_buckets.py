@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from distlab.lessons.clipping import chunk_count
+
 
 @dataclass
 class FlatBucket:
@@ -168,8 +170,8 @@ def shard_flat_state(state: dict[int, dict], buckets: list[FlatBucket], index: d
         first = state[index[b.params[have.index(True)]]]  # one without state (torch: never stepped): zeros
         out[i] = {}
         for key, value in first.items():
-            if not (torch.is_tensor(value) and value.dim() > 0):
-                out[i][key] = value.clone() if torch.is_tensor(value) else value
+            if not (torch.is_tensor(value) and value.dim() > 0):  # a step count: the largest own one
+                out[i][key] = chunk_count([state.get(index[p]) for p in b.params], key)
                 continue
             flat = torch.zeros(b.flat.numel(), dtype=value.dtype, device=value.device)
             for p, start in zip(b.params, b.offsets):
@@ -192,19 +194,22 @@ class FlatStateDicts:
         if self._consolidated is not None:
             return self._consolidated
         meta = dict(rank=self.rank, world_size=self.world_size, stage=self.stage, layout=self._layout,
-                    updated=[bool(self._unused.updated[p]) for p in self._where])  # stepped by this rank yet
+                    updated=[bool(self._unused.updated[p]) for p in self._where],  # stepped by this rank yet
+                    behind=[self._unused.behind[p] for p in self._where])  # steps of its chunk each sat out
         return {**self.optimizer.state_dict(), "zero": meta}  # live tensors, as torch's state_dict()
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's chunk state on group rank ``to``, whose next ``state_dict()`` returns it
         per parameter (torch's format, on the CPU), as torch's ``ZeroRedundancyOptimizer`` does: a
-        parameter no rank ever stepped (unused) has no state, as in torch.
+        parameter no rank ever stepped (unused) has no state, as in torch, and each its own step count.
         Collective: every rank of ``group``. Cost: K Psi (W-1)/W bytes into ``to``."""
         never = {self._index[p] for p in self._unused.never_updated(self._where, self.group)}
         state = consolidated_state_dict(self.optimizer.state_dict(), self.buckets, self._index, self._given, to,
                                         self.group)
         if state is not None:
-            state["state"] = {i: s for i, s in state["state"].items() if i not in never}
+            own = {self._index[p]: p for p in self._where}  # the chunk's count less the steps p sat out
+            state["state"] = {i: {k: self._unused.own_count(own[i], k, v) for k, v in s.items()}
+                              for i, s in state["state"].items() if i not in never}
         self._consolidated = state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # after the model's (offload: copied)
@@ -214,10 +219,12 @@ class FlatStateDicts:
             check_sharded_state(state_dict["zero"], self.rank, self.world_size, self._layout)
             inner = {k: v for k, v in state_dict.items() if k != "zero"}
             flags = dict(zip(self._where, state_dict["zero"].get("updated", [True] * len(self._where))))
-            self._unused.loaded(lambda p: flags[p])
+            behind = dict(zip(self._where, state_dict["zero"].get("behind", [0] * len(self._where))))
+            self._unused.loaded(lambda p: flags[p], behind=behind)
         else:  # my chunks of every parameter's state
             inner = chunk_state_dict(state_dict, self.buckets, self._index, self._given, self.optimizer.param_groups)
-            self._unused.loaded(lambda p: self._index[p] in state_dict["state"])
+            saved = {p: state_dict["state"].get(self._index[p]) for p in self._where}  # own counts: torch's
+            self._unused.loaded(lambda p: saved[p] is not None, lambda p: (saved[p] or {}).get("step"))
         self.optimizer.load_state_dict(inner)
         # torch's load_state_dict gives the inner optimizer new param_groups and state objects:
         # point at them again, or an LR scheduler on this optimizer stops reaching the inner one.

@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from distlab.comm import all_gather_single
-from distlab.lessons.clipping import ModuleClipGradNorm, UnusedParameters, chunk_segments
+from distlab.lessons.clipping import ModuleClipGradNorm, UnusedParameters, chunk_count, chunk_segments
 
 
 @dataclass(eq=False)
@@ -311,8 +311,8 @@ def optimizer_state_dict(fsdp: nn.Module, optimizer: torch.optim.Optimizer, full
             for j, name in enumerate(unit_names):
                 entry = {}
                 for key, v in saved.items():
-                    if not _is_moment(v, unit):
-                        entry[key] = v.clone() if torch.is_tensor(v) else v
+                    if not _is_moment(v, unit):  # a step count: p's own, as torch's optimizer has it
+                        entry[key] = fsdp._unused.own_count(unit.params[j] if unit else None, key, v)
                     elif full:
                         start, shape = unit.offsets[j], tuple(unit.params[j].shape)
                         entry[key] = flat[key][start:start + unit.params[j].numel()].view(shape).clone()
@@ -360,7 +360,7 @@ def load_optimizer_state_dict(fsdp: nn.Module, optimizer: torch.optim.Optimizer,
                 entry = {}
                 for key, v in next(s for s in saved if s is not None).items():
                     if unit is None or not torch.is_tensor(v) or v.dim() == 0:  # a whole parameter's; a step count
-                        entry[key] = v.clone() if torch.is_tensor(v) else v
+                        entry[key] = chunk_count(saved, key)  # the unit's: its parameters' largest own count
                         continue
                     chunk = torch.zeros_like(unit.shard)  # the padding's moments are zero
                     for name, s in [(n, s) for n, s in zip(unit_names, saved) if s is not None]:
@@ -377,7 +377,8 @@ def load_optimizer_state_dict(fsdp: nn.Module, optimizer: torch.optim.Optimizer,
         groups.append({**{k: v for k, v in saved_group.items() if k != "params"},
                        "params": list(range(index - len(params), index))})
     optimizer.load_state_dict({"state": inner_state, "param_groups": groups})
-    fsdp._unused.loaded({p: n in state_dict["state"] for u in fsdp.units for p, n in zip(u.params, u.names)}.get)
+    saved = {p: state_dict["state"].get(n) for u in fsdp.units for p, n in zip(u.params, u.names)}  # own counts
+    fsdp._unused.loaded(lambda p: saved[p] is not None, lambda p: (saved[p] or {}).get("step"))
 
 
 class TorchModuleAPI(ModuleClipGradNorm):  # FullyShardedDataParallel's torch spellings (phase3_multi_node/fsdp.py)
