@@ -730,6 +730,13 @@ def _fresh_contenders(contenders: dict, base_opt, baseline: nn.Module, rank: int
                 fresh_opt = torch.optim.AdamW(fresh.parameters(), **adamw)
                 load_optimizer_state_dict(fresh, fresh_opt, copy.deepcopy(state))
                 out[f"FSDP, {fmt} state loaded"] = (fresh, fresh_opt)
+            for fmt in ("full", "torch's"):  # extra in the root unit with fc1, fc2: its own count below the unit's
+                whole = seeded(_SitOut, rank + 10)
+                whole.load_state_dict(_full_state(model, dist.get_world_size()))
+                fresh = load(PHASE, "fsdp").FullyShardedDataParallel(whole, units=[whole.mix])
+                fresh_opt = torch.optim.AdamW(fresh.parameters(), **adamw)
+                load_optimizer_state_dict(fresh, fresh_opt, copy.deepcopy(saved[fmt]))
+                out[f"FSDP, extra in the root unit, {fmt} state loaded"] = (fresh, fresh_opt)
             continue
         opt.consolidate_state_dict(to=0)  # ZeRO: rank 0 gets torch's format; every rank loads it
         consolidated = [opt.state_dict() if rank == 0 else None]
