@@ -182,9 +182,19 @@ def start_autograder(source: Path, root: Path, files: dict[str, Path], exercises
                             stderr=subprocess.STDOUT, text=True)
 
 
+AUTOGRADER_S = 240  # one run_autograder run; scaled, and longer while it progresses on a busy machine (Deadline)
+
+
 def finish_autograder(proc: subprocess.Popen, root: Path) -> dict:
+    deadline = Deadline([proc.pid], AUTOGRADER_S)
     try:
-        out, _ = proc.communicate(timeout=240)
+        while True:
+            try:  # communicate again after its timeout loses no output (the pipe keeps being read)
+                out, _ = proc.communicate(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                over = deadline.passed()
+                assert over is None, f"run_autograder ended: {over or f'not finished within {deadline.timeout_s:g} s'}"
     finally:
         proc.kill()  # nothing left if it ran over: its pytest and ranks die with it (distlab.procs.tie_to)
         proc.wait()
