@@ -117,7 +117,8 @@ def test_replay_with_equal_costs_gives_the_textbook_bubble_and_drops_communicati
 
 # zero: 3 launches of its 7 contenders take 16-24 s here, so the suite runs one launch of its worker
 # (test_zero_benchmark_fails_when_one_contender_trains_differently); `python -m benchmarks.run` the rest.
-@pytest.mark.parametrize("topic", ["collectives", "ddp", "pipeline"])
+# collectives: 12-13 s (3 launches of every primitive at 2 sizes): the e2e tier's, to keep the main suite under 600 s
+@pytest.mark.parametrize("topic", [pytest.param("collectives", marks=pytest.mark.e2e), "ddp", "pipeline"])
 def test_quick_benchmark_checks_results_and_reports_spread(topic, tmp_path):
     result = importlib.import_module(f"benchmarks.bench_{topic}").run(quick=True, out_dir=tmp_path)
     assert result["comparisons"], f"bench_{topic} --quick compared nothing"
