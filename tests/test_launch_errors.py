@@ -326,3 +326,25 @@ def test_restarted_ranks_meet_whatever_restart_count_their_agents_gave_them():
                 f"rank {rank} (restart counts {counts}) exited {p.returncode}:\n{out[-3000:]}"
         assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out[-3000:]}"
     del store
+
+
+_UNRAISABLE_CTRL_C = """
+import sys, weakref
+from distlab import launch
+launch._quiet_ctrl_c()
+class Lock: pass
+def callback(_):
+    raise KeyboardInterrupt  # Ctrl-C landing in a weakref callback (importlib's module locks have one)
+lock = Lock(); ref = weakref.ref(lock, callback); del lock
+def other(_):
+    raise ValueError("a real error in a callback")
+lock = Lock(); ref2 = weakref.ref(lock, other); del lock
+"""
+
+
+def test_a_ctrl_c_that_lands_in_a_callback_is_silent_and_other_errors_there_are_not():
+    """CI saw 'Exception ignored in: <function _get_module_lock.<locals>.cb ...> ... KeyboardInterrupt' from
+    a rank: a Ctrl-C in code Python cannot raise from goes to sys.unraisablehook, not sys.excepthook."""
+    proc = subprocess.run([sys.executable, "-c", _UNRAISABLE_CTRL_C], capture_output=True, text=True, timeout=60)
+    assert "KeyboardInterrupt" not in proc.stderr, proc.stderr
+    assert "ValueError: a real error in a callback" in proc.stderr, proc.stderr
