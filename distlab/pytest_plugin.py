@@ -276,7 +276,7 @@ def start_forkserver() -> None:
 
     FORKSERVER["started"] = True
     sys.modules["distlab.spawn"]._context()  # its preload list, and its helpers stopped at exit
-    forkserver.ensure_running()
+    forkserver._forkserver.ensure_running()  # the instance: a warm check's child replaces it (cockpit/warm.py)
 
 
 def wait_for_forkserver() -> None:
