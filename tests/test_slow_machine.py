@@ -190,6 +190,10 @@ def test_the_rendezvous_waits_for_a_node_still_starting_on_this_machine_and_says
     endpoint = f"127.0.0.1:{os.getpid() % 30000 + 30000}"
     child = _agent_like(peer, endpoint)
     try:
+        # the asleep node must be asleep before the clock starts: on a busy machine the end of its print (runnable,
+        # waiting for a CPU) is a sign of progress, and counts for WINDOW_S (seen with 4 spinners on 2 cores)
+        while not slow and doctor_watch.thread_stat(child.pid)[0] != "S":
+            threading.Event().wait(0.01)
         deadline = JoinDeadline(0.5, endpoint)
         at, took = _join_verdict(deadline, [_State(["node0"])])
     finally:
