@@ -70,12 +70,18 @@ class TraceLedger(CommLedger):
         self.times.append([end - seconds, end])
 
     def _observe(self, call):
-        """The ledger's record, then the peer of a send/receive and (via distlab.intercept) each Work's wait."""
-        before = len(self.records)
+        """The ledger's record, then the peer of a send/receive and (via distlab.intercept) each Work's wait.
+
+        An async op is in flight from before its call: the ledger records it after the call returns, and by
+        then its receiver may have it (a busy machine can pause this thread there for milliseconds)."""
+        before, posted = len(self.records), time.time()
         yield from super()._observe(call)
         ids = list(range(before, len(self.records)))
         if not ids:
             return
+        for i in ids:
+            if self.records[i].async_op:
+                self.times[i][0] = posted
         if call.op == "batch_isend_irecv":
             p2p_op_list = call.arguments["p2p_op_list"]
             if len(ids) == len(p2p_op_list):
