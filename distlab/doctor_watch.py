@@ -9,7 +9,8 @@ imports these names from ``distlab.doctor``.
 A slow machine is said, never blamed. Every course deadline (``run_distributed``'s run deadline and its
 process group's timeout, ``init_from_env``'s, the watchdog's, pytest-timeout's per-test limits) is
 multiplied by ``DISTLAB_TIMEOUT_SCALE`` (default 1; e.g. 3 on a machine you know is slow). A run whose
-ranks keep making progress past its deadline on a busy machine (its ranks wait for a CPU: ``run_delay``)
+ranks keep making progress past its deadline on a busy machine (its ranks wait for a CPU: ``run_delay``;
+or the machine keeps tasks waiting: ``machine_busy``)
 is waited for, up to ``HARD_CAP`` times the deadline (or the test's own pytest-timeout, less a margin);
 if it is still going then, ``slow_machine`` says so ("slow machine (load 37.2 on 2 cores), not your
 code: rerun ...") and names nobody.
@@ -72,6 +73,7 @@ class Progress:
 TEST_DEADLINE_ENV = "DISTLAB_TEST_DEADLINE"  # when pytest-timeout ends the current test (time.time()), set below
 HARD_CAP = 10  # a run that keeps progressing on a busy machine is waited for up to 10x its deadline
 BUSY_SHARE = 0.2  # the ranks waited for a CPU for 20% of the run's wall time (summed): the machine is busy
+PRESSURE = "/proc/pressure/cpu"  # Linux's pressure stall information for CPUs (4.20+)
 
 
 def machine_load() -> str:
@@ -92,22 +94,55 @@ def run_delay(pid: int) -> float:
         return 0.0
 
 
+class Looks:
+    """What a set of processes did between two looks at /proc: the probe of every deadline that follows a job's
+    progress (``distlab.procs.Deadline``, the rendezvous' ``launch_agent.JoinDeadline``)."""
+
+    def __init__(self) -> None:
+        self.seen: tuple[float, dict] | None = None  # (when, {pid: (state, CPU ticks, run delay)}) at the last look
+        self.count = 0
+
+    def look(self, pids) -> tuple[bool, float, float]:
+        """``(moved, waited_s, wall_s)`` since the last look: whether any of ``pids`` (the living ones) is runnable
+        or in disk sleep, or used CPU; how long they waited for a CPU, summed; the time between (0 at the first)."""
+        now = time.monotonic()
+        stats = {p: (*thread_stat(p), run_delay(p)) for p in pids}
+        stats = {p: s for p, s in stats.items() if s[0] not in ("", "Z", "X")}
+        before, when = self.seen[1] if self.seen else {}, self.seen[0] if self.seen else now
+        common = [p for p in stats if p in before]
+        moved = any(s[0] in ("R", "D") for s in stats.values()) or any(stats[p][1] != before[p][1] for p in common)
+        waited = sum(stats[p][2] - before[p][2] for p in common)
+        self.seen, self.count = (now, stats), self.count + 1
+        return moved, waited, now - when
+
+
 def busy(waited_s: float, wall_s: float) -> bool:
-    """The machine slowed the run: its ranks waited ``waited_s`` (summed) for a CPU in ``wall_s``; where
-    /proc has no schedstat (``waited_s`` 0), a load average above the cores counts instead."""
-    if waited_s > 0:
-        return waited_s >= BUSY_SHARE * wall_s
+    """The machine slowed the run: its ranks waited ``waited_s`` (summed) for a CPU in ``wall_s``, or the machine
+    as a whole keeps tasks waiting (``machine_busy``). A starved process's wait reaches /proc only when it gets
+    a CPU (schedstat is written then), so over half a second it reads 0.04 s one look and 2 s the next."""
+    return (waited_s > 0 and waited_s >= BUSY_SHARE * wall_s) or machine_busy()
+
+
+def machine_busy() -> bool:
+    """Some task waited for a CPU ``BUSY_SHARE`` of the last 10 s (/proc/pressure/cpu); without pressure
+    stall information, a 1-minute load average above the cores this process may use."""
+    try:
+        with open(PRESSURE) as f:
+            return float(f.readline().split()[1].split("=")[1]) >= 100 * BUSY_SHARE
+    except (OSError, IndexError, ValueError):
+        pass
     try:
         return os.getloadavg()[0] > len(os.sched_getaffinity(0))
     except (OSError, AttributeError):
         return False
 
 
-def slow_machine(ranks: list[int] | None, waited_s: float) -> str:
-    """The one line for a run (``ranks``; None: a job's processes) still progressing when its hard cap passed."""
+def slow_machine(ranks: list[int] | None, waited_s: float, what: str | None = None) -> str:
+    """The one line for a run (``ranks``; None: a job's processes) still progressing when its hard cap passed
+    (``what``: what was still going, in place of the ranks' progress)."""
     who = f"ranks {ranks}" if ranks is not None else "its processes"
     return (f"slow machine ({machine_load()}), not your code: rerun (or set {TIMEOUT_SCALE_ENV}="
-            f"{max(2, 2 * timeout_scale()):g}); {who} were still making progress after {waited_s:.0f} s")
+            f"{max(2, 2 * timeout_scale()):g}); {what or f'{who} were still making progress after {waited_s:.0f} s'}")
 
 
 TEST_MARGIN_S = 10  # before pytest-timeout fires, for the run's own report to arrive (tests/test_timeouts.py's)

@@ -107,7 +107,7 @@ class JoinDeadline:
         self.start = time.monotonic()
         self.cap = self.start + doctor_watch.hard_cap_s(timeout_s)
         self.members: object = None
-        self.ticks: dict[int, int] = {}
+        self.peers = doctor_watch.Looks()
         self.looked = self.last_sign = self.over_at = None
         self.slow = False
 
@@ -117,10 +117,7 @@ class JoinDeadline:
         sign = self.members is not None and members != self.members
         self.members = members
         peers = [p for p in _peer_agents(self.endpoint) if p not in joined] if self.endpoint else []
-        stats = {p: doctor_watch.thread_stat(p) for p in peers}
-        sign |= any(s in ("R", "D") or (p in self.ticks and t != self.ticks[p]) for p, (s, t) in stats.items())
-        self.ticks = {p: t for p, (s, t) in stats.items() if s not in ("", "Z", "X")}
-        return sign
+        return self.peers.look(peers)[0] or sign
 
     def check(self, state) -> float:
         """The deadline to give torch's join step: infinity while the join may wait, else when the wait ended."""
@@ -141,10 +138,9 @@ class JoinDeadline:
         return now
 
     def slow_line(self, joined: int, min_nodes: int) -> str:
-        return (f"slow machine ({doctor_watch.machine_load()}), not your code: rerun (or set "
-                f"{doctor_watch.TIMEOUT_SCALE_ENV}={max(2, 2 * doctor_watch.timeout_scale()):g}); {joined} of "
-                f"{min_nodes} nodes joined the rendezvous at {self.endpoint} in {self.over_at - self.start:.0f} s and "
-                f"the others were still starting")
+        return doctor_watch.slow_machine(None, self.over_at - self.start, f"{joined} of {min_nodes} nodes joined the "
+                                         f"rendezvous at {self.endpoint} in {self.over_at - self.start:.0f} s and the "
+                                         f"others were still starting")
 
 
 def progress_driven(next_rendezvous, endpoint: str | None):

@@ -101,8 +101,8 @@ class Deadline:
     DISTLAB_TIMEOUT_SCALE, that waits like ``run_distributed``'s for a job still progressing on a busy machine.
 
     ``passed()`` is None while the job has time: before its deadline, or after it while its processes use
-    CPU (or are runnable) and wait for one at least ``doctor_watch.BUSY_SHARE`` of the time (looks 0.5 s
-    apart), up to ``doctor_watch.hard_cap_s``. Then it says why: "" for a plain timeout, or
+    CPU (or are runnable) on a busy machine (``doctor_watch.busy``; looks 0.5 s apart, ``doctor_watch.Looks``),
+    up to ``doctor_watch.hard_cap_s``. Then it says why: "" for a plain timeout, or
     ``doctor_watch.slow_machine``'s line when the job was still progressing at the cap.
     """
 
@@ -110,26 +110,19 @@ class Deadline:
         self.pids, self.timeout_s = pids, timeout_s * doctor_watch.timeout_scale()
         self.start = time.monotonic()
         self.cap = self.start + doctor_watch.hard_cap_s(self.timeout_s)
-        self.seen: tuple[float, dict] | None = None  # (when, {pid: (CPU ticks, run delay)}) at the last look
-        self.moving, self.looks = False, 0
+        self.looks = doctor_watch.Looks()
+        self.moving = False
 
     def passed(self) -> str | None:
         now = time.monotonic()
         if now < self.start + self.timeout_s:
             return None
-        if self.seen is None or now - self.seen[0] >= 0.5:
-            tree = {p for root in self.pids for p in [root, *_descendants(root)]}
-            stats = {p: (*doctor.thread_stat(p), doctor_watch.run_delay(p)) for p in tree}
-            stats = {p: (ticks, delay, state) for p, (state, ticks, delay) in stats.items() if state not in ("", "Z", "X")}
-            if self.seen is not None:  # progress as doctor.Progress sees it: runnable, or CPU time moved
-                before = self.seen[1]
-                common = [p for p in stats if p in before]
-                moved = any(stats[p][2] in ("R", "D") or stats[p][0] != before[p][0] for p in common)
-                waited = sum(stats[p][1] - before[p][1] for p in common)
-                self.moving = moved and doctor_watch.busy(waited, now - self.seen[0])
-            self.seen, self.looks = (now, stats), self.looks + 1
+        if self.looks.seen is None or now - self.looks.seen[0] >= 0.5:
+            moved, waited, wall = self.looks.look({p for root in self.pids for p in [root, *_descendants(root)]})
+            if wall > 0:  # progress as doctor.Progress sees it, on a machine that keeps the job waiting for a CPU
+                self.moving = moved and doctor_watch.busy(waited, wall)
         if not self.moving:
-            return "" if self.looks >= 2 else None  # two looks, to tell a stuck job from a slow one
+            return "" if self.looks.count >= 2 else None  # two looks, to tell a stuck job from a slow one
         return doctor_watch.slow_machine(None, now - self.start) if now >= self.cap else None
 
 

@@ -109,6 +109,25 @@ def test_a_jobs_deadline_waits_for_a_job_progressing_on_a_busy_machine_then_says
     assert took < 5, took
 
 
+@pytest.mark.parametrize("pressure, load, busy", [("some avg10=35.00 avg60=20.00 avg300=5.00 total=1", 0.5, True),
+                                                   ("some avg10=5.00 avg60=50.00 avg300=50.00 total=1", 9.0, False),
+                                                   (None, 9.0, True), (None, 0.5, False)],
+                         ids=["pressure", "no-pressure", "load", "no-load"])
+def test_a_machine_that_keeps_tasks_waiting_is_busy_whatever_the_jobs_last_sample_says(pressure, load, busy,
+                                                                                      tmp_path, monkeypatch):
+    """A starved process's wait for a CPU reaches /proc only when it runs: beside 8 busy processes a job's half
+    second read 0.04 s of waiting, then 2 s, and a job still progressing was ended at its deadline as stuck.
+    The machine's own pressure (or, without it, its load) says busy between those lumps."""
+    path = tmp_path / "cpu"
+    if pressure is not None:
+        path.write_text(pressure + "\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    monkeypatch.setattr(doctor_watch, "PRESSURE", str(path))
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert doctor_watch.busy(0.04, 0.5) == busy  # the job's own sample: below BUSY_SHARE
+    assert doctor_watch.busy(0.2, 0.5)  # its own sample alone says busy
+
+
 _SPIN_ON = "import os\nos.sched_setaffinity(0, {{{core}}})\nos.nice(19)\nwhile True: pass"  # a job's slow child
 
 
