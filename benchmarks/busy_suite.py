@@ -34,8 +34,9 @@ REPO = Path(__file__).resolve().parent.parent
 _BURN = "while True: pass"
 
 
-def run_suite(pytest_args: list[str], burners: int) -> dict:
-    """One run of the suite beside ``burners`` busy processes; what it took and what it said."""
+def run_suite(pytest_args: list[str], burners: int, log: str | None = None) -> dict:
+    """One run of the suite beside ``burners`` busy processes; what it took and what it said (as it goes, in
+    ``log`` too: ``tail -f`` it)."""
     marker = os.urandom(8).hex()
     env = marked_environ(marker)
     spinners = [subprocess.Popen([sys.executable, "-c", _BURN], env=env) for _ in range(burners)]
@@ -50,8 +51,15 @@ def run_suite(pytest_args: list[str], burners: int) -> dict:
     start = time.monotonic()
     sampler.start()
     try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", *pytest_args], cwd=REPO, env=env,
-                              capture_output=True, text=True)
+        with open(log or os.devnull, "w") as tee:
+            proc = subprocess.Popen([sys.executable, "-m", "pytest", *pytest_args], cwd=REPO, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            lines = []
+            for line in proc.stdout:
+                lines.append(line)
+                tee.write(line)
+                tee.flush()
+            proc.wait()
     finally:
         done.set()
         for p in spinners:
@@ -59,7 +67,7 @@ def run_suite(pytest_args: list[str], burners: int) -> dict:
             p.wait()
         kill_process_tree(marker=marker)
     wall = time.monotonic() - start
-    output = proc.stdout + proc.stderr
+    output = "".join(lines)
     summary = next((line for line in reversed(output.splitlines()) if re.search(r"\d+ (passed|failed)", line)), "")
     return {"burners": burners, "passed": proc.returncode == 0, "exit_code": proc.returncode,
             "wall_s": round(wall, 1), "summary": summary.strip("= "),
@@ -74,12 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burners", type=int, default=4, help="busy processes beside the loaded run (default 4)")
     parser.add_argument("--skip-quiet", action="store_true", help="only the loaded run")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--log", default=None, help="the loaded run's pytest output, as it goes")
     parser.add_argument("pytest_args", nargs="*", help="after --: passed to pytest (default: the whole suite)")
     args = parser.parse_args(argv)
     if args.burners < 1:
         parser.error(f"--burners {args.burners}: at least 1 busy process (the point is a busy machine)")
     runs = [] if args.skip_quiet else [run_suite(args.pytest_args, 0)]
-    runs.append(run_suite(args.pytest_args, args.burners))
+    runs.append(run_suite(args.pytest_args, args.burners, args.log))
     for r in runs:
         what = "quiet" if r["burners"] == 0 else f"{r['burners']} busy processes"
         print(f"{what:>18}: {'passed' if r['passed'] else 'FAILED'} in {r['wall_s']:.0f} s "
