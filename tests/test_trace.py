@@ -318,6 +318,14 @@ def _bubble_of(events: list[dict], pids) -> float:
     return sum(e["dur"] for e in measured if e["cat"] == "idle") / sum(e["dur"] for e in measured)
 
 
+def _in_flight(events: list[dict]) -> dict[tuple, list[dict]]:
+    """(rank, op, peer) -> its async sends / receives in flight, in the order posted."""
+    bars = defaultdict(list)
+    for e in sorted((e for e in events if e["ph"] == "X" and e["name"] in ("isend", "irecv")), key=lambda e: e["ts"]):
+        bars[e["pid"], e["name"], e["args"]["peer"]].append(e)
+    return bars
+
+
 def _traced_gpipe(tmp_path: Path, monkeypatch, p: int, m: int, steps: int, hidden: int, rows: int = 8) -> list[dict]:
     monkeypatch.setenv(trace.TRACE_ENV, str(tmp_path / "trace"))
     argv = ["--schedule", "gpipe", "--epochs", "1", "--steps", str(steps), "--microbatches", str(m),
@@ -336,9 +344,7 @@ def test_pipeline_trace_marks_each_stage_idle_time_and_every_message(tmp_path: P
     assert "idle: waiting for activation" in idle[1] and "idle: waiting for gradient" in idle[0], idle
     compute = Counter(e["name"].split()[0] for e in events if e["ph"] == "X" and e["cat"] == "compute")
     assert compute == {"forward": 2 * 2 * 4, "backward": 2 * 2 * 4}, compute  # 2 stages x 2 steps x 4 micro-batches
-    bars = defaultdict(list)  # (rank, op, peer) -> its async sends / receives in flight, in the order posted
-    for e in sorted((e for e in events if e["ph"] == "X" and e["name"] in ("isend", "irecv")), key=lambda e: e["ts"]):
-        bars[e["pid"], e["name"], e["args"]["peer"]].append(e)
+    bars = _in_flight(events)
     assert sum(len(b) for (_, op, _), b in bars.items() if op == "isend") == 2 * 2 * 4, bars.keys()
     assert 0 < _bubble_of(events, (0, 1)) < 1
 
@@ -350,9 +356,7 @@ def test_pipeline_trace_marks_each_stage_idle_time_and_every_message(tmp_path: P
 @pytest.mark.timeout(300)
 def test_pipeline_trace_sends_end_by_their_receive(tmp_path: Path, monkeypatch):
     events = _traced_gpipe(tmp_path, monkeypatch, p=2, m=4, steps=2, hidden=64)
-    bars = defaultdict(list)  # (rank, op, peer) -> its async sends / receives in flight, in the order posted
-    for e in sorted((e for e in events if e["ph"] == "X" and e["name"] in ("isend", "irecv")), key=lambda e: e["ts"]):
-        bars[e["pid"], e["name"], e["args"]["peer"]].append(e)
+    bars = _in_flight(events)
     for (a, op, b), sent in bars.items():  # the k-th message a -> b is b's k-th receive from a
         received = bars[b, "irecv", a] if op == "isend" else []
         for k, e in enumerate(sent if op == "isend" else []):
