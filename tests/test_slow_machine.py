@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from distlab import doctor_watch
 from distlab.spawn import run_distributed
-from tests.test_busy_machine import busy_core  # noqa: F401 (a fixture: two busy processes pinned to one core)
+from test_busy_machine import busy_core  # noqa: F401 (a fixture: two busy processes pinned to one core)
 
 
 def _worker_idle_then_all_reduce(rank, world_size, idle_s):
